@@ -1,0 +1,57 @@
+"""Engine settings, validated once at start-up with one-line errors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvscope.engine.errors import KvscopeError
+
+MODES = ("naive", "static", "continuous", "chunked")
+POLICIES = ("fcfs",)
+BACKENDS = ("model",)
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "float16", "bfloat16"
+    backend: str = "model"
+    mode: str = "chunked"
+    policy: str = "fcfs"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from memory (see ModelRunner)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's limit, capped by the KV cache
+    seed: int = 0
+    prefix_caching: bool = False
+    preemption: str = "recompute"
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise KvscopeError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.policy not in POLICIES:
+            raise KvscopeError(f"unknown policy {self.policy!r} (choose from {', '.join(POLICIES)})")
+        if self.backend not in BACKENDS:
+            raise KvscopeError(f"unknown backend {self.backend!r} (choose from {', '.join(BACKENDS)})")
+        if self.preemption != "recompute":
+            raise KvscopeError(f"unknown preemption mode {self.preemption!r} (only 'recompute' so far)")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise KvscopeError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise KvscopeError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise KvscopeError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.prefix_caching:
+            raise KvscopeError("prefix caching is not implemented yet")
+
+    @property
+    def effective_max_num_seqs(self) -> int:
+        return 1 if self.mode == "naive" else self.max_num_seqs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,190 @@
+"""The engine loop: schedule, run, update, publish. One call to step() is one iteration."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from kvscope.engine import telemetry
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.engine.model_runner import ModelRunner
+from kvscope.engine.models import load_model
+from kvscope.engine.request import Request
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import Scheduler
+from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
+
+CPU_KV_CACHE_BYTES = 256 << 20  # default KV budget on CPU when num_blocks is not given
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EventSink(Protocol):
+    def publish(self, event) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise KvscopeError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KvscopeError("device 'cuda' requested but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise KvscopeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, sink: EventSink | None = None, snapshot_every: int = 200) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
+        self.tokenizer = self.loaded.tokenizer
+        num_blocks = config.num_blocks or self._auto_num_blocks()
+        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(
+            self.loaded, device=self.device, dtype=self.dtype, num_blocks=num_blocks,
+            block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
+            seed=config.seed,
+        )
+        self.sink = sink
+        self.snapshot_every = snapshot_every
+        self._next_id = 0
+        self._waste_sum = 0.0
+        self._waste_steps = 0
+        self.num_preemptions = 0
+        self.wall_start = time.time()
+        self._t0 = time.perf_counter()
+        if sink is not None:
+            sink.publish(self.hello())
+
+    # ---- sizing --------------------------------------------------------------
+    def _auto_num_blocks(self) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.9)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        return max(1, budget // per_block)
+
+    def _max_model_len(self, capacity_tokens: int) -> int:
+        limit = self.loaded.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise KvscopeError(f"max_model_len {wanted} exceeds the model's limit of {limit} positions")
+        return min(wanted or limit, capacity_tokens)
+
+    # ---- public API ------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def hello(self) -> HelloEvent:
+        config = self.config.to_dict()
+        config.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                      num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+                      attention=self.runner.ops.name, preemption_mode=self.config.preemption)
+        return HelloEvent(PROTOCOL_VERSION, config, self.wall_start)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KvscopeError(f"model {self.config.model!r} has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise KvscopeError("a prompt must be a string or a list of token ids")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KvscopeError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                    arrival: float | None = None) -> int:
+        """Queue a request; raises RequestRejected (after publishing a reject) if it cannot be served."""
+        req_id = self._next_id
+        self._next_id += 1
+        arrival = self.now() if arrival is None else arrival
+        try:
+            params.validate()
+            token_ids = self.tokenize(prompt)
+            self._check_fits(token_ids)
+        except KvscopeError as e:
+            if self.sink is not None:
+                self.sink.publish(RejectEvent(req_id, str(e), self.now()))
+            raise RequestRejected(str(e)) from None
+        req = Request(req_id, token_ids, params, arrival, priority)
+        self.scheduler.add(req)
+        if self.sink is not None:
+            self.sink.publish(telemetry.request_event(req))
+        return req_id
+
+    def _check_fits(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise KvscopeError("empty prompt")
+        capacity = self.block_manager.capacity_tokens
+        if n > capacity:
+            raise KvscopeError(f"prompt of {n} tokens does not fit in the KV cache ({capacity} tokens)")
+        if n >= self.max_model_len:
+            raise KvscopeError(f"prompt of {n} tokens leaves no room to generate within max_model_len {self.max_model_len}")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One iteration; returns the requests that finished in it."""
+        sched = self.scheduler
+        t_start = self.now()
+        out = sched.schedule(t_start)
+        params = {s.req_id: sched.requests[s.req_id].params for s in out.seqs}
+        sampled = self.runner.run(out, params)
+        t_end = self.now()
+        sampled_reqs = [sched.requests[r] for r in sampled]
+        finished = sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
+        self.num_preemptions += len(out.preempted)
+        deltas = self.block_manager.drain_deltas()
+        kv = self.block_manager.counters()
+        allocated = kv.used * self.config.block_size
+        if allocated:
+            self._waste_sum += (kv.tail_waste + kv.reserve_waste) / allocated
+            self._waste_steps += 1
+        if self.sink is not None:
+            dropped = getattr(self.sink, "take_dropped", lambda: 0)()
+            self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
+                                                   dropped))
+            if out.step % self.snapshot_every == 0:
+                self.sink.publish(self.snapshot())
+        return finished
+
+    @property
+    def mean_kv_waste(self) -> float:
+        """Empty slots in allocated blocks, as a fraction, averaged over steps."""
+        return self._waste_sum / self._waste_steps if self._waste_steps else 0.0
+
+    def snapshot(self) -> SnapshotEvent:
+        return telemetry.snapshot_event(self.scheduler, self.block_manager, self.scheduler.step_count, self.now())
+
+    def close(self, reason: str = "drained") -> None:
+        if self.sink is not None:
+            self.sink.publish(ByeEvent(self.scheduler.step_count, self.now(), reason))

@@ -1,0 +1,140 @@
+"""Where models come from: built-in shapes with deterministic random weights, or a local checkpoint.
+
+The model code itself is transformers'; kvscope swaps in its own attention
+(see attention.py) so every layer reads and writes the paged KV cache.
+Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvscope.engine.errors import KvscopeError
+from kvscope.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+# Built-in shapes. "tiny" is small enough for a CPU demo; std 0.2 keeps greedy
+# outputs varied and dependent on the whole context (a model that repeats one
+# token would prove nothing in the equality tests).
+BUILTIN_SHAPES: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=16384,
+        rope_theta=10000.0,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b-shape": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+
+
+def build_builtin(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """A transformers Qwen3ForCausalLM with deterministic random weights (eager/sdpa attention)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**BUILTIN_SHAPES[name], eos_token_id=ByteTokenizer.EOS, bos_token_id=ByteTokenizer.BOS,
+                         pad_token_id=ByteTokenizer.PAD)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = ByteTokenizer.PAD
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _read_config(path: str) -> dict:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise KvscopeError(f"model {path!r} is neither a built-in model ({', '.join(BUILTIN_SHAPES)}) nor a directory")
+    if not os.path.isfile(config_path):
+        raise KvscopeError(f"model directory {path!r} has no config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise KvscopeError(f"cannot read {config_path}: {e}") from None
+    arch = config.get("model_type") if isinstance(config, dict) else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise KvscopeError(
+            f"unsupported architecture {arch!r} in {config_path} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return config
+
+
+def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> LoadedModel:
+    if name in BUILTIN_SHAPES:
+        model = build_builtin(name, dtype=dtype, device=device, seed=seed)
+        tokenizer: Tokenizer | None = ByteTokenizer()
+        eos = frozenset({ByteTokenizer.EOS})
+    else:
+        _read_config(name)
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise KvscopeError(f"cannot load checkpoint {name!r}: {str(e).splitlines()[0]}") from None
+        model = model.to(device).eval()
+        try:
+            tokenizer = HFTokenizer(name)
+        except Exception:  # a checkpoint without tokenizer files takes token-id prompts only
+            tokenizer = None
+        eos = _eos_ids(model, tokenizer)
+    cfg = model.config
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        name=name,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends generation, as transformers' generate would stop on it."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return frozenset({int(tokenizer.eos_token_id)})
+    return frozenset()

@@ -1,0 +1,105 @@
+"""A request and its lifecycle: state, tokens, timestamps and the metrics derived from them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvscope.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """What a user sees of one request, in seconds."""
+
+    ttft: float | None
+    queue_time: float | None
+    e2e: float | None
+    itl: list[float]
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def tpot(self) -> float | None:
+        return sum(self.itl) / len(self.itl) if self.itl else None
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # prompt followed by every generated token; KV exists for the first num_computed_tokens
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "max_model_len"
+    # static mode: generation ended but the row keeps its slot until the batch ends
+    done_generating: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_remaining == 1 and self.num_output_tokens > 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    def append_token(self, token_id: int, now: float) -> float | None:
+        """Record a sampled token; returns the inter-token gap, None for the first."""
+        self.token_ids.append(token_id)
+        gap = now - self.token_times[-1] if self.token_times else None
+        self.token_times.append(now)
+        return gap
+
+    def metrics(self) -> RequestMetrics:
+        times = self.token_times
+        return RequestMetrics(
+            ttft=self.ttft,
+            queue_time=None if self.first_scheduled is None else self.first_scheduled - self.arrival,
+            e2e=None if self.finish_time is None else self.finish_time - self.arrival,
+            itl=[b - a for a, b in zip(times, times[1:])],
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )

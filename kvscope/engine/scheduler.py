@@ -1,0 +1,256 @@
+"""Iteration-level scheduler: decides, once per step, which tokens of which requests run.
+
+Pure logic over requests and the block manager (no torch). The four modes are
+settings of this one scheduler:
+
+- naive:      continuous with one sequence at a time.
+- static:     a batch forms only when the previous one is done; prompts are padded
+              to the longest, finished rows keep their slot (and compute) until the
+              longest row ends, and KV for prompt + max_tokens is reserved up front.
+- continuous: admit/release every step; a waiting prompt is prefilled whole, and
+              such a prefill step runs before any decode (prefill first).
+- chunked:    decodes first, then prefill chunks, all within max_num_batched_tokens.
+
+When blocks run out, the newest running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvscope.engine.block_manager import BlockManager, blocks_needed
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.request import Request, RequestStatus
+from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvscope.protocol.events import (
+    BLOCKED_BUDGET,
+    BLOCKED_KV,
+    BLOCKED_SEQS,
+    BLOCKED_STATIC,
+    VERDICT_ADMITTED,
+    VERDICT_BLOCKED,
+    VERDICT_IDLE,
+    Admission,
+)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.mode = config.mode
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.effective_max_num_seqs
+        self.budget = config.max_num_batched_tokens
+        self.waiting: deque[Request] = deque()  # preempted requests sit at the front
+        self.running: list[Request] = []  # admission order: newest last
+        self.requests: dict[int, Request] = {}
+        self.step_count = 0
+        self._finished_since_last: list[int] = []
+        self._static_prefilled = False
+
+    # ---- queue management ----------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def preempted(self) -> list[Request]:
+        return [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim.req_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0  # recompute: prompt and outputs are prefilled again
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim.req_id)
+        out.drop(victim.req_id)
+
+    def _admit(self, request: Request, now: float) -> None:
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled is None:
+            request.first_scheduled = now
+        self.running.append(request)
+
+    def _schedule_tokens(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.add(
+            ScheduledSeq(
+                req_id=req.req_id,
+                token_ids=req.token_ids[start : start + n],
+                start_pos=start,
+                block_table=list(self.bm.table(req.req_id)),
+                sample=start + n == req.num_tokens,
+                is_prefill=not req.is_decode,
+            )
+        )
+
+    # ---- the step ----------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.step_count += 1
+        out = SchedulerOutput(step=self.step_count, budget=self.budget, finished_req_ids=self._finished_since_last)
+        self._finished_since_last = []
+        if self.mode == "static":
+            self._schedule_static(out, now)
+        elif self.mode == "chunked":
+            self._schedule_chunked(out, now)
+        else:
+            self._schedule_prefill_first(out, now)
+        return out
+
+    def _grow_or_preempt(self, req: Request, total_tokens: int, out: SchedulerOutput) -> bool:
+        """Find blocks for req by preempting the newest running requests; False if req itself was the victim."""
+        while not self.bm.grow(req.req_id, total_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _verdict_for_head(self, out: SchedulerOutput, budget_left: int) -> Admission:
+        """Why the head of WAITING cannot be admitted now (called when admission stopped)."""
+        if not self.waiting:
+            return Admission(VERDICT_IDLE)
+        head = self.waiting[0]
+        if len(self.running) >= self.max_num_seqs:
+            reason = BLOCKED_SEQS
+        elif budget_left <= 0 or (self.mode != "chunked" and out.seqs and head.num_remaining > budget_left):
+            reason = BLOCKED_BUDGET
+        else:
+            reason = BLOCKED_KV
+        return Admission(VERDICT_BLOCKED, reason, head.req_id)
+
+    def _admit_waiting(self, out: SchedulerOutput, now: float, budget_left: int, whole_prompts: bool) -> int:
+        """Admit from the head of WAITING, in order, while seqs, budget and blocks allow."""
+        admitted_any = False
+        while self.waiting and len(self.running) < self.max_num_seqs and budget_left > 0:
+            head = self.waiting[0]
+            if whole_prompts:
+                n = head.num_remaining
+                # A prompt larger than the budget still runs when it is alone in the step.
+                if out.seqs and n > budget_left:
+                    break
+            else:
+                n = min(head.num_remaining, budget_left)
+            if not self.bm.grow(head.req_id, head.num_computed_tokens + n):
+                break
+            self._admit(head, now)
+            self._schedule_tokens(out, head, n)
+            budget_left -= n
+            admitted_any = True
+            out.admitted.append(head.req_id)
+        out.admission = self._verdict_for_head(out, budget_left) if self.waiting else Admission(VERDICT_IDLE)
+        if admitted_any and out.admission.verdict == VERDICT_IDLE:
+            out.admission = Admission(VERDICT_ADMITTED, None, out.admitted[-1])
+        return budget_left
+
+    def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
+        self._admit_waiting(out, now, self.budget, whole_prompts=True)
+        if out.seqs:
+            return  # a prefill step: running requests wait one iteration
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._grow_or_preempt(req, req.num_computed_tokens + req.num_remaining, out):
+                self._schedule_tokens(out, req, req.num_remaining)
+
+    def _schedule_chunked(self, out: SchedulerOutput, now: float) -> None:
+        budget_left = self.budget
+        # Decodes first, then the running prefills, then new admissions.
+        for want_decode in (True, False):
+            for req in list(self.running):
+                if budget_left <= 0:
+                    break
+                if req.status is not RequestStatus.RUNNING or req.is_decode != want_decode:
+                    continue
+                n = min(req.num_remaining, budget_left)
+                if self._grow_or_preempt(req, req.num_computed_tokens + n, out):
+                    self._schedule_tokens(out, req, n)
+                    budget_left -= n
+            budget_left = self.budget - out.num_tokens  # preemptions may have returned budget
+        self._admit_waiting(out, now, budget_left, whole_prompts=False)
+
+    def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
+        if not self.running:
+            self._form_static_batch(out, now)
+            return
+        if self.waiting:
+            out.admission = Admission(VERDICT_BLOCKED, BLOCKED_STATIC, self.waiting[0].req_id)
+        for req in self.running:
+            if req.done_generating:
+                out.pad_rows.append(1)  # the finished row still costs one token of compute
+            else:
+                self._schedule_tokens(out, req, req.num_remaining)
+
+    def _form_static_batch(self, out: SchedulerOutput, now: float) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            reserve = min(head.num_prompt_tokens + head.params.max_tokens, self.max_model_len)
+            if blocks_needed(reserve, self.bm.block_size) > self.bm.num_free:
+                break
+            self.bm.grow(head.req_id, reserve)
+            self._admit(head, now)
+            out.admitted.append(head.req_id)
+        if self.waiting:
+            out.admission = self._verdict_for_head(out, self.budget)
+        elif out.admitted:
+            out.admission = Admission(VERDICT_ADMITTED, None, out.admitted[-1])
+        longest = max((r.num_remaining for r in self.running), default=0)
+        for req in self.running:
+            self._schedule_tokens(out, req, req.num_remaining)
+            if longest > req.num_remaining:
+                out.pad_rows.append(longest - req.num_remaining)
+
+    # ---- after the forward -----------------------------------------------------------
+    def update(
+        self, out: SchedulerOutput, sampled: dict[int, int], now: float, eos_token_ids: frozenset[int]
+    ) -> list[Request]:
+        """Apply a step's results; returns requests that finished (and were released) this step."""
+        finished: list[Request] = []
+        for seq in out.seqs:
+            req = self.requests[seq.req_id]
+            req.num_computed_tokens += len(seq.token_ids)
+            self.bm.set_filled(req.req_id, req.num_computed_tokens)
+            if seq.is_prefill:
+                req.num_prefill_chunks += 1
+            if not seq.sample:
+                continue
+            token = sampled[req.req_id]
+            req.append_token(token, now)
+            reason = self._stop_reason(req, token, eos_token_ids)
+            if reason is None:
+                continue
+            req.finish_reason = reason
+            if self.mode == "static":
+                req.done_generating = True
+            else:
+                self._release(req, now)
+                finished.append(req)
+        if self.mode == "static" and self.running and all(r.done_generating for r in self.running):
+            for req in list(self.running):
+                self._release(req, now)
+                finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
+        if not req.params.ignore_eos and token in eos_token_ids:
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "max_model_len"
+        return None
+
+    def _release(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        self.bm.free(req.req_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_time = now
+        self._finished_since_last.append(req.req_id)
+        del self.requests[req.req_id]

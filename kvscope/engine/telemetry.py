@@ -1,0 +1,106 @@
+"""Builds protocol events from the engine's own state. The only engine module that speaks protocol."""
+
+from __future__ import annotations
+
+from kvscope.engine.block_manager import BlockDeltas, BlockManager
+from kvscope.engine.request import Request, RequestStatus
+from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.protocol.events import (
+    DECODE,
+    PREFILL,
+    BatchEntry,
+    BlockAlloc,
+    BlockOwner,
+    Finish,
+    FirstToken,
+    ItlSample,
+    KvCounters,
+    Preemption,
+    RefChange,
+    RequestEvent,
+    RequestState,
+    SnapshotEvent,
+    StepEvent,
+)
+
+
+def request_event(req: Request) -> RequestEvent:
+    return RequestEvent(req.req_id, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.arrival)
+
+
+def finish_record(req: Request) -> Finish:
+    m = req.metrics()
+    return Finish(req.req_id, m.ttft or 0.0, m.e2e or 0.0, m.num_output_tokens, req.finish_reason or "")
+
+
+def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Request], finished: list[Request],
+               deltas: BlockDeltas, kv: KvCounters, t_start: float, t_end: float, dropped: int) -> StepEvent:
+    first_tokens: list[FirstToken] = []
+    itl: list[ItlSample] = []
+    for req in sampled_reqs:
+        times = req.token_times
+        if len(times) == 1:
+            first_tokens.append(FirstToken(req.req_id, times[0] - req.arrival))
+        else:
+            itl.append(ItlSample(req.req_id, times[-1] - times[-2]))
+    waiting = [r.req_id for r in sched.waiting if r.status is RequestStatus.WAITING]
+    preempted = [r.req_id for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
+    return StepEvent(
+        step=out.step,
+        t=t_start,
+        dur=t_end - t_start,
+        budget=out.budget,
+        batch=[BatchEntry(s.req_id, PREFILL if s.is_prefill else DECODE, len(s.token_ids), s.start_pos)
+               for s in out.seqs],
+        padding=out.num_padding_tokens,
+        running=[r.req_id for r in sched.running],
+        waiting=waiting,
+        preempted=preempted,
+        admission=out.admission,
+        preemptions=[Preemption(r, "kv_blocks", "recompute") for r in out.preempted],
+        alloc=[BlockAlloc(b, r) for b, r in deltas.alloc],
+        freed=list(deltas.freed),
+        refs=[RefChange(b, c) for b, c in deltas.refs],
+        sampled=[r.req_id for r in sampled_reqs],
+        first_tokens=first_tokens,
+        finished=[finish_record(r) for r in finished],
+        itl=itl,
+        kv=kv,
+        dropped=dropped,
+    )
+
+
+def request_state(req: Request) -> RequestState:
+    return RequestState(
+        req=req.req_id,
+        state=req.status.value,
+        prompt_len=req.num_prompt_tokens,
+        max_tokens=req.params.max_tokens,
+        computed=req.num_computed_tokens,
+        output_len=req.num_output_tokens,
+        priority=req.priority,
+        arrival=req.arrival,
+        ttft=req.ttft,
+        preemptions=req.num_preemptions,
+    )
+
+
+def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> SnapshotEvent:
+    blocks: dict[int, BlockOwner] = {}
+    for req_id, table in bm.tables.items():
+        for block in table:
+            blocks.setdefault(block, BlockOwner(block, req_id, bm.ref_counts[block]))
+    waiting = [r for r in sched.waiting if r.status is RequestStatus.WAITING]
+    preempted = [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
+    return SnapshotEvent(
+        step=step,
+        t=t,
+        requests=[request_state(r) for r in sched.running + list(sched.waiting)],
+        blocks=sorted(blocks.values(), key=lambda b: b.block),
+        block_tables={req_id: list(table) for req_id, table in bm.tables.items()},
+        running=[r.req_id for r in sched.running],
+        waiting=[r.req_id for r in waiting],
+        preempted=[r.req_id for r in preempted],
+        kv=bm.counters(),
+    )

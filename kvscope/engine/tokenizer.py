@@ -1,0 +1,46 @@
+"""Tokenizers: a byte-level one for built-in models, or a checkpoint's own through transformers."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0-255; special tokens sit above them."""
+
+    NUM_BYTES = 256
+    EOS, BOS, PAD, UNK = 256, 257, 258, 259
+    NUM_SPECIAL = 4
+    vocab_size = NUM_BYTES + NUM_SPECIAL
+
+    eos_token_id: int | None = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer, loaded from its directory (never from a hub)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
