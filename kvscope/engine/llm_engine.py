@@ -63,7 +63,7 @@ class LLMEngine:
             block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
             seed=config.seed,
         )
-        self.sink = sink
+        self.sink: EventSink | None = None
         self.snapshot_every = snapshot_every
         self._next_id = 0
         self._waste_sum = 0.0
@@ -72,7 +72,13 @@ class LLMEngine:
         self.wall_start = time.time()
         self._t0 = time.perf_counter()
         if sink is not None:
-            sink.publish(self.hello())
+            self.attach(sink)
+
+    def attach(self, sink: EventSink) -> None:
+        """Start publishing events to sink, opening with hello and a snapshot of the current state."""
+        self.sink = sink
+        sink.publish(self.hello())
+        sink.publish(self.snapshot())
 
     # ---- sizing --------------------------------------------------------------
     def _auto_num_blocks(self) -> int:

@@ -1,0 +1,117 @@
+"""The peers `kvscope bench` compares against, run on the same model and requests in the same process."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.llm_engine import resolve_device, resolve_dtype
+from kvscope.engine.metrics import mean, percentile
+from kvscope.engine.models import BUILTIN_SHAPES, build_builtin
+
+
+def _hf_model(config: EngineConfig):
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.model in BUILTIN_SHAPES:
+        model = build_builtin(config.model, dtype=dtype, device=str(device), seed=config.seed)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True).to(device)
+    return model.eval(), device
+
+
+def _row(name: str, ttft: list[float], itl: list[float], tokens: int, span: float, kv_waste=None) -> dict:
+    return {
+        "name": name,
+        "output_tok_per_s": tokens / span if span > 0 else 0.0,
+        "ttft_mean_s": mean(ttft),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p99_s": percentile(itl, 99),
+        "preemptions": None,
+        "kv_waste": kv_waste,
+        "output_tokens": tokens,
+        "duration_s": span,
+    }
+
+
+class _StepClock:
+    """A logits processor that only notes when each decoding step produced its token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def hf_static(config: EngineConfig, items) -> dict:
+    """generate() on padded static batches of max_num_seqs, in arrival order, until the longest ends."""
+    from transformers import LogitsProcessorList
+
+    model, device = _hf_model(config)
+    pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else 0
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    reserved = used = 0
+    _ = model.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(items), config.max_num_seqs):
+        batch = items[i : i + config.max_num_seqs]
+        width = max(len(it.prompt) for it in batch)
+        ids = torch.tensor([[pad] * (width - len(it.prompt)) + it.prompt for it in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(it.prompt)) + [1] * len(it.prompt) for it in batch], device=device)
+        longest = max(it.max_tokens for it in batch)
+        clock = _StepClock()
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                       pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
+        for it in batch:
+            mine = clock.times[: it.max_tokens]
+            ttft.append(mine[0] - start)
+            itl.extend(b - a for a, b in zip(mine, mine[1:]))
+            tokens += it.max_tokens
+            used += len(it.prompt) + it.max_tokens
+        reserved += len(batch) * (width + longest)
+    span = time.perf_counter() - start
+    return _row("hf-static", ttft, itl, tokens, span, kv_waste=1 - used / reserved if reserved else None)
+
+
+@torch.inference_mode()
+def hf_generate_batch(config: EngineConfig, items) -> dict:
+    """transformers' continuous batching: the manager behind generate_batch, with per-request max_new_tokens."""
+    from transformers import GenerationConfig
+
+    model, device = _hf_model(config)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(it.max_tokens for it in items),
+                           eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
+    model.generate_batch(inputs=[[1, 2, 3]], generation_config=gen, max_new_tokens=2)  # warm-up
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    start = time.perf_counter()
+    try:
+        for n, it in enumerate(items):
+            manager.add_request(it.prompt, request_id=f"r{n}", max_new_tokens=it.max_tokens, record_timestamps=True)
+        results = {}
+        deadline = time.monotonic() + 3600
+        while len(results) < len(items) and time.monotonic() < deadline:
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+    finally:
+        manager.stop(block=True)
+    span = max((o.timestamps[-1] for o in results.values() if o.timestamps), default=start) - start
+    ttft = [o.timestamps[0] - start for o in results.values() if o.timestamps]
+    itl = [b - a for o in results.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
+    tokens = sum(len(o.generated_tokens) for o in results.values())
+    return _row("hf-generate-batch", ttft, itl, tokens, span)
+
+
+PEERS: dict[str, Callable] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch}

@@ -1,0 +1,257 @@
+"""The `kvscope` command: serve, bench, tui, replay, demo, record, trace-info.
+
+Heavy imports happen inside each command, so `kvscope replay` never loads torch.
+User mistakes end in one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A one-line problem with what the user asked for."""
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b-shape, or a local checkpoint directory")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    g.add_argument("--mode", default="chunked", help="naive, static, continuous or chunked (default: chunked)")
+    g.add_argument("--policy", default="fcfs", help="scheduling policy (default: fcfs)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_config(args: argparse.Namespace, **overrides):
+    from kvscope.engine.config import EngineConfig
+
+    settings = dict(model=args.model, device=args.device, dtype=args.dtype, mode=args.mode, policy=args.policy,
+                    block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    seed=args.seed)
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def _workload_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--workload", default=default, help=f"preset name or JSON spec file (default: {default})")
+    p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+
+
+# ---- serve -----------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.metrics import summary_table
+    from kvscope.engine.serve import ServeOptions, Server
+    from kvscope.engine.workload import load_spec
+
+    load_spec(args.workload)  # fail on a bad workload before loading the model
+    engine = LLMEngine(_engine_config(args))
+    sinks, control = _open_outputs(args, engine)
+    options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
+                           forever=args.forever, burst_every_s=args.burst_every)
+    progress = _progress_bar(args, options, engine)
+    server = Server(engine, options, control=control, on_progress=progress.update if progress else None)
+    reason = "drained"
+    try:
+        summary = server.run()
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        summary = server.summary()
+    finally:
+        if progress:
+            progress.close()
+        engine.close(reason)
+        for sink in sinks:
+            sink.close()
+        if control is not None:
+            control.close()
+    print(summary_table(summary))
+    if args.json:
+        _write_json(args.json, {"config": engine.hello().config, "summary": summary.to_dict()})
+    return 0
+
+
+def _open_outputs(args, engine):
+    """Event publisher, trace recorder and control socket, as asked for on the command line."""
+    sinks = []
+    control = None
+    if args.events:
+        from kvscope.protocol.transport import ZmqPublisher
+
+        sinks.append(ZmqPublisher(args.events, allow_remote=args.allow_remote))
+    if args.record:
+        from kvscope.traces.writer import TraceWriter
+
+        sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
+    if args.control:
+        from kvscope.engine.workload import PRESETS
+        from kvscope.protocol.transport import ControlServer
+
+        control = ControlServer(args.control, allow_remote=args.allow_remote, workloads=PRESETS)
+    if sinks:
+        from kvscope.protocol.sinks import FanOut
+
+        engine.attach(sinks[0] if len(sinks) == 1 else FanOut(sinks))
+    return sinks, control
+
+
+def _progress_bar(args, options, engine):
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    from kvscope.engine.workload import load_spec
+
+    total = None if options.forever else (options.num_requests or load_spec(options.workload).num_requests)
+    return tqdm(total=total, desc=f"{engine.config.mode}", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def _write_json(path: str, data: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ---- bench ------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvscope.bench import BenchOptions, print_table, run_bench
+
+    options = BenchOptions(
+        workload=args.workload, num_requests=args.num_requests, modes=args.modes.split(","),
+        peers=[p for p in args.peers.split(",") if p], events=args.events_overhead,
+    )
+    result = run_bench(_engine_config(args), options)
+    print_table(result)
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
+# ---- watchers ---------------------------------------------------------------------------
+def cmd_tui(args: argparse.Namespace) -> int:
+    from kvscope.tui.launch import run_live
+
+    run_live(args.connect, args.control, palette=args.palette)
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvscope.tui.launch import run_replay
+
+    run_replay(args.file, palette=args.palette)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvscope.tui.launch import run_demo
+
+    run_demo(palette=args.palette, device=args.device)
+    return 0
+
+
+def cmd_trace_info(args: argparse.Namespace) -> int:
+    from kvscope.traces.info import trace_info
+
+    print(trace_info(args.file))
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from kvscope.traces.record import record
+
+    record(args.connect, args.file, stop_after_s=args.duration, control_addr=args.control)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
+
+    parser = argparse.ArgumentParser(prog="kvscope", description="A small, real LLM inference engine whose "
+                                     "scheduler you can watch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the engine over a workload")
+    _engine_args(p)
+    _workload_args(p, "mixed")
+    p.add_argument("--forever", action="store_true", help="keep generating requests until stopped")
+    p.add_argument("--burst-every", type=float, default=None, metavar="S", help="with --forever: a burst every S s")
+    p.add_argument("--events", metavar="ADDR", help=f"publish events (e.g. {DEFAULT_EVENTS_ADDR})")
+    p.add_argument("--control", metavar="ADDR", help=f"accept control requests (e.g. {DEFAULT_CONTROL_ADDR})")
+    p.add_argument("--allow-remote", action="store_true", help="allow binding to non-loopback addresses")
+    p.add_argument("--record", metavar="FILE", help="record a .kvtrace file")
+    p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="compare the four modes and transformers on one workload")
+    _engine_args(p)
+    _workload_args(p, "mixed")
+    p.add_argument("--modes", default="naive,static,continuous,chunked")
+    p.add_argument("--peers", default="hf-static,hf-generate-batch", help="comma list; empty for none")
+    p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON")
+    p.set_defaults(func=cmd_bench)
+
+    for name, func, helptext in (("tui", cmd_tui, "watch a live engine"), ("demo", cmd_demo, "engine + dashboard")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "tui":
+            p.add_argument("--connect", default=DEFAULT_EVENTS_ADDR, metavar="ADDR")
+            p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
+        else:
+            p.add_argument("--device", default="auto")
+        p.add_argument("--palette", default="default", choices=["default", "cb"], help="cb: colour-blind safe")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("replay", help="replay a recorded .kvtrace file")
+    p.add_argument("file")
+    p.add_argument("--palette", default="default", choices=["default", "cb"])
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("record", help="record a live engine's events into a .kvtrace file")
+    p.add_argument("file")
+    p.add_argument("--connect", default=DEFAULT_EVENTS_ADDR, metavar="ADDR")
+    p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
+    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("trace-info", help="describe a .kvtrace file")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_trace_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvscope.protocol.codec import ProtocolError
+
+    user_errors: tuple[type[BaseException], ...] = (UsageError, ProtocolError, ValueError, FileNotFoundError,
+                                                     IsADirectoryError, PermissionError)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except user_errors as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, OSError) and e.filename:
+            message = f"{e.strerror}: {e.filename}"
+        print(f"kvscope: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

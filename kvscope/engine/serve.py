@@ -1,0 +1,138 @@
+"""Drives an engine over a timed workload, and answers control requests between steps."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from kvscope.engine import workload as wl
+from kvscope.engine.errors import RequestRejected
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.metrics import MetricsCollector, Summary
+from kvscope.engine.request import Request
+from kvscope.engine.sampling_params import SamplingParams
+
+IDLE_POLL_S = 0.02  # how often an idle or paused engine looks at the control socket
+LONG_PROMPT_TOKENS = 2048
+
+
+@dataclass
+class ServeOptions:
+    workload: str = "mixed"
+    num_requests: int | None = None
+    seed: int = 0
+    forever: bool = False
+    burst_every_s: float | None = None  # forever mode: extra bursts on top of the workload
+    verbose_rejects: bool = True
+
+
+class Server:
+    def __init__(self, engine: LLMEngine, options: ServeOptions, control=None,
+                 on_progress: Callable[[int], None] | None = None) -> None:
+        self.engine = engine
+        self.options = options
+        self.control = control
+        self.on_progress = on_progress
+        self.metrics = MetricsCollector()
+        self.paused = False
+        self.stopping = False
+        self.spec = wl.load_spec(options.workload)
+        self.vocab = engine.loaded.vocab_size
+        self.reserved = self._reserved_ids()
+        self._injected: list[wl.WorkloadRequest] = []
+        self._seed_counter = options.seed * 7919 + 1
+
+    def _reserved_ids(self) -> int:
+        """Keep generated prompts clear of special tokens, which sit at the top of the vocab."""
+        eos = self.engine.loaded.eos_token_ids
+        top = max(eos) if eos else -1
+        return self.vocab - top if top >= self.vocab // 2 else 0
+
+    def requests(self) -> Iterator[wl.WorkloadRequest]:
+        max_prompt = self.engine.max_model_len - 1
+        if self.options.forever:
+            return wl.generate_forever(self.spec, vocab_size=self.vocab, seed=self.options.seed,
+                                       reserved_ids=self.reserved, max_prompt_len=max_prompt,
+                                       burst_every_s=self.options.burst_every_s)
+        return iter(wl.generate(self.spec, vocab_size=self.vocab, num_requests=self.options.num_requests,
+                                seed=self.options.seed, max_prompt_len=max_prompt, reserved_ids=self.reserved))
+
+    # ---- control ------------------------------------------------------------------
+    def _next_seed(self) -> int:
+        self._seed_counter += 1
+        return self._seed_counter
+
+    def _handle_control(self, now: float) -> None:
+        for req in self.control.poll():
+            args = req.args
+            if req.cmd == "snapshot":
+                if self.engine.sink is not None:
+                    self.engine.sink.publish(self.engine.snapshot())
+                req.reply(ok=True, step=self.engine.scheduler.step_count)
+            elif req.cmd in ("burst", "add"):
+                n = args.get("n", 16)
+                try:
+                    spec = wl.load_spec(args.get("workload", "burst")) if req.cmd == "add" else self.spec
+                except ValueError as e:
+                    req.reply(ok=False, error=str(e))
+                    continue
+                self._injected += wl.make_burst(spec, n, at=now, vocab_size=self.vocab, seed=self._next_seed(),
+                                                reserved_ids=self.reserved,
+                                                max_prompt_len=self.engine.max_model_len - 1)
+                req.reply(ok=True, added=n)
+            elif req.cmd == "long":
+                length = min(args.get("prompt_len", LONG_PROMPT_TOKENS), self.engine.max_model_len - 1)
+                self._injected.append(wl.make_long_prompt(length, at=now, vocab_size=self.vocab,
+                                                          seed=self._next_seed(), reserved_ids=self.reserved))
+                req.reply(ok=True, prompt_len=length)
+            elif req.cmd in ("pause", "resume"):
+                self.paused = req.cmd == "pause"
+                req.reply(ok=True, paused=self.paused)
+            elif req.cmd == "stop":
+                self.stopping = True
+                req.reply(ok=True)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _submit(self, item: wl.WorkloadRequest, arrival: float) -> None:
+        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=item.ignore_eos)
+        try:
+            self.engine.add_request(item.prompt, params, item.priority, arrival=arrival)
+        except RequestRejected as e:
+            self.metrics.rejected += 1
+            if self.options.verbose_rejects:
+                print(f"kvscope: rejected request: {e}", file=sys.stderr)
+
+    def run(self, items: Iterable[wl.WorkloadRequest] | None = None) -> Summary:
+        source = iter(items) if items is not None else self.requests()
+        upcoming = next(source, None)
+        start = self.engine.now()
+        while not self.stopping:
+            now = self.engine.now()
+            if self.control is not None:
+                self._handle_control(now - start)
+            while self._injected:
+                item = self._injected.pop(0)
+                self._submit(item, start + item.arrival)
+            while upcoming is not None and start + upcoming.arrival <= now:
+                self._submit(upcoming, start + upcoming.arrival)
+                upcoming = next(source, None)
+            if not self.paused and self.engine.has_unfinished():
+                for req in self.engine.step():
+                    self._finished(req)
+            elif upcoming is None and not self.options.forever and not self.engine.has_unfinished():
+                break
+            else:
+                wait = IDLE_POLL_S if upcoming is None else start + upcoming.arrival - self.engine.now()
+                time.sleep(max(0.0, min(wait, IDLE_POLL_S)))
+        return self.summary()
+
+    def _finished(self, req: Request) -> None:
+        self.metrics.add(req)
+        if self.on_progress is not None:
+            self.on_progress(1)
+
+    def summary(self) -> Summary:
+        return self.metrics.summary(preemptions=self.engine.num_preemptions, kv_waste=self.engine.mean_kv_waste,
+                                    steps=self.engine.scheduler.step_count)
