@@ -50,7 +50,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     while decodes:
         group = [decodes.pop()]
         longest = meta.seq_lens_host[group[0]]
-        while decodes and (len(group) + 1) * longest <= _DECODE_GROUP_TOKENS:
+        # A new group starts where padding to `longest` would more than double the work.
+        while (decodes and (len(group) + 1) * longest <= _DECODE_GROUP_TOKENS
+               and 2 * meta.seq_lens_host[decodes[-1]] >= longest):
             group.append(decodes.pop())
         idx = torch.tensor(group, device=query.device)
         rows = torch.tensor([qsl[s] for s in group], device=query.device)

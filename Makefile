@@ -1,0 +1,36 @@
+# Two entry points do all set-up themselves: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# Without a GPU, pin the CPU wheel of torch (a plain `torch` requirement pulls a multi-GB CUDA build).
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install demo test bench screenshots clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+ifneq ($(HAS_GPU),yes)
+	$(BIN)/python -m pip install -q $(TORCH_CPU)
+endif
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvscope demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/kvscope bench --workload mixed --json bench/results/bench-cpu.json
+
+screenshots: $(STAMP)
+	$(BIN)/python -m kvscope.tui.screenshots traces/demo-cpu.kvtrace screenshots/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
