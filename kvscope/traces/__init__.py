@@ -1,0 +1,17 @@
+"""Trace files (.kvtrace): writer, reader, replay clock. No torch, no zmq needed."""
+
+from .blockmap import apply_block_deltas, owners_from_snapshot
+from .reader import ChunkInfo, TraceReader
+from .replay import ReplayClock
+from .summary import TraceSummary
+from .writer import TraceWriter
+
+__all__ = [
+    "TraceWriter",
+    "TraceReader",
+    "TraceSummary",
+    "ChunkInfo",
+    "ReplayClock",
+    "apply_block_deltas",
+    "owners_from_snapshot",
+]
