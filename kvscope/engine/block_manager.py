@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvscope.protocol.deltas import BlockDeltaLog
 from kvscope.protocol.events import KvCounters
 
 
@@ -19,6 +20,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 @dataclass(slots=True)
 class BlockDeltas:
+    """Net changes over one step: apply by removing `freed`, then adding `alloc`."""
+
     alloc: list[tuple[int, int]]  # (block, request)
     freed: list[int]
     refs: list[tuple[int, int]]  # (block, new refcount) for blocks whose count changed but stayed > 0
@@ -34,8 +37,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
         self.filled: dict[int, int] = {}  # tokens whose KV is written, per request
-        self._log_alloc: list[tuple[int, int]] = []
-        self._log_freed: list[int] = []
+        self._log = BlockDeltaLog()
         self._log_refs: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------
@@ -74,7 +76,7 @@ class BlockManager:
             block = self._free.popleft()
             self.ref_counts[block] = 1
             table.append(block)
-            self._log_alloc.append((block, req_id))
+            self._log.alloc(block, req_id)
         return True
 
     def set_filled(self, req_id: int, num_tokens: int) -> None:
@@ -95,13 +97,14 @@ class BlockManager:
             self.ref_counts[block] = count
             if count == 0:
                 self._free.append(block)
-                self._log_freed.append(block)
+                self._log.free(block)
             else:
                 self._log_refs.append((block, count))
 
     def drain_deltas(self) -> BlockDeltas:
-        deltas = BlockDeltas(self._log_alloc, self._log_freed, self._log_refs)
-        self._log_alloc, self._log_freed, self._log_refs = [], [], []
+        alloc, freed = self._log.take()
+        deltas = BlockDeltas([(a.block, a.req) for a in alloc], freed, self._log_refs)
+        self._log_refs = []
         return deltas
 
     # ---- accounting ----------------------------------------------------------

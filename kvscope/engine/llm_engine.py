@@ -47,7 +47,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, sink: EventSink | None = None, snapshot_every: int = 200) -> None:
+    def __init__(self, config: EngineConfig, sink: EventSink | None = None, snapshot_every: int = 200,
+                 snapshot_interval_s: float = 2.0) -> None:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
@@ -65,6 +66,8 @@ class LLMEngine:
         )
         self.sink: EventSink | None = None
         self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        self._last_snapshot_t = 0.0
         self._next_id = 0
         self._waste_sum = 0.0
         self._waste_steps = 0
@@ -179,14 +182,21 @@ class LLMEngine:
             dropped = getattr(self.sink, "take_dropped", lambda: 0)()
             self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
                                                    dropped))
-            if out.step % self.snapshot_every == 0:
-                self.sink.publish(self.snapshot())
+            if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
+                self.publish_snapshot()
         return finished
 
     @property
     def mean_kv_waste(self) -> float:
         """Empty slots in allocated blocks, as a fraction, averaged over steps."""
         return self._waste_sum / self._waste_steps if self._waste_steps else 0.0
+
+    def publish_snapshot(self) -> None:
+        """A snapshot, then hello again, so a subscriber that joined late learns the whole picture."""
+        if self.sink is not None:
+            self.sink.publish(self.snapshot())
+            self.sink.publish(self.hello())
+            self._last_snapshot_t = self.now()
 
     def snapshot(self) -> SnapshotEvent:
         return telemetry.snapshot_event(self.scheduler, self.block_manager, self.scheduler.step_count, self.now())

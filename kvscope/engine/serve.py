@@ -68,8 +68,7 @@ class Server:
         for req in self.control.poll():
             args = req.args
             if req.cmd == "snapshot":
-                if self.engine.sink is not None:
-                    self.engine.sink.publish(self.engine.snapshot())
+                self.engine.publish_snapshot()
                 req.reply(ok=True, step=self.engine.scheduler.step_count)
             elif req.cmd in ("burst", "add"):
                 n = args.get("n", 16)
