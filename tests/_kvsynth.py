@@ -13,11 +13,7 @@ from kvscope.protocol.deltas import BlockDeltaLog
 
 
 class Synth:
-    def __init__(self, seed: int = 0, n_blocks: int = 16, block_size: int = 4, arrival_p: float = 0.6,
-                 raw_deltas: bool = False):
-        self.raw_deltas = raw_deltas  # report allocator calls as logged, not net
-        self._raw_alloc: list = []
-        self._raw_freed: list = []
+    def __init__(self, seed: int = 0, n_blocks: int = 16, block_size: int = 4, arrival_p: float = 0.6):
         self.rng = random.Random(seed)
         self.n_blocks = n_blocks
         self.bs = block_size
@@ -63,14 +59,12 @@ class Synth:
             b = self.free.pop()
             self.reqs[r]["blocks"].append(b)
             self.log.alloc(b, r)
-            self._raw_alloc.append(E.BlockAlloc(b, r))
         return True
 
     def _release(self, r: int, freed: list) -> None:
         q = self.reqs[r]
         for b in q["blocks"]:
             self.log.free(b)
-            self._raw_freed.append(b)
         self.free.extend(q["blocks"])
         q["blocks"] = []
 
@@ -159,9 +153,6 @@ class Synth:
                 del self.reqs[r]
         self.t = round(t0 + dur, 6)
         alloc, freed = self.log.take()
-        if self.raw_deltas:
-            alloc, freed = self._raw_alloc, self._raw_freed
-        self._raw_alloc, self._raw_freed = [], []
         out.append(
             E.StepEvent(
                 self.step_no, t0, dur, 64, batch=batch, running=list(self.running), waiting=list(self.waiting),
