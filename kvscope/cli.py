@@ -30,6 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: half the cores)")
 
 
 def _engine_config(args: argparse.Namespace, **overrides):
@@ -38,7 +39,7 @@ def _engine_config(args: argparse.Namespace, **overrides):
     settings = dict(model=args.model, device=args.device, dtype=args.dtype, mode=args.mode, policy=args.policy,
                     block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    seed=args.seed)
+                    seed=args.seed, cpu_threads=args.cpu_threads)
     settings.update(overrides)
     return EngineConfig(**settings)
 

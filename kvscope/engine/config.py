@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0
     prefix_caching: bool = False
     preemption: str = "recompute"
+    cpu_threads: int | None = None  # torch threads on CPU; None: half the cores, leaving room for watchers
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -46,6 +47,8 @@ class EngineConfig:
             raise KvscopeError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise KvscopeError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise KvscopeError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.prefix_caching:
             raise KvscopeError("prefix caching is not implemented yet")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Protocol
 
@@ -53,6 +54,10 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            # Oversubscribed OpenMP threads spin-wait: with the dashboard or event threads on the
+            # same cores, a step can take 10-50x longer. Leave them a core.
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
         self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.num_blocks or self._auto_num_blocks()
