@@ -1,0 +1,8 @@
+"""Screens: the dashboard (live and replay), request detail, help, seek prompt."""
+
+from kvscope.tui.screens.dashboard import DashboardScreen, LiveDashboard, ReplayDashboard
+from kvscope.tui.screens.detail import RequestDetailScreen
+from kvscope.tui.screens.help import HelpScreen
+from kvscope.tui.screens.seek import SeekScreen
+
+__all__ = ["DashboardScreen", "LiveDashboard", "ReplayDashboard", "RequestDetailScreen", "HelpScreen", "SeekScreen"]

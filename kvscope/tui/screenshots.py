@@ -1,0 +1,106 @@
+"""Deterministic SVG screenshots of the dashboard, request detail and replay screens.
+
+    python -m kvscope.tui.screenshots TRACE.kvtrace OUTDIR [--step N]
+
+The replay is paused and driven by keys, on a clock that never moves, so the same
+trace gives the same SVGs byte for byte. Without ``--step`` the script picks the
+busiest step in the middle of the trace (most requests in flight, fullest KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from kvscope.protocol.events import StepEvent
+
+SIZES = {"dashboard": (120, 36), "request-detail": (120, 36), "replay": (80, 24)}
+
+
+def pick_step(trace) -> int:
+    """The step with the most requests in flight and the fullest cache, from 25% to 90% in."""
+    steps = [ev for ev in trace if type(ev) is StepEvent]
+    if not steps:
+        return 0
+    lo, hi = len(steps) // 4, max(len(steps) // 4 + 1, (len(steps) * 9) // 10)
+    best, best_score = steps[0].step, -1.0
+    for ev in steps[lo:hi]:
+        util = ev.kv.used / ev.kv.total if ev.kv.total else 0.0
+        score = len(ev.running) + min(len(ev.waiting), 16) / 2 + len(ev.preempted) + 10 * util
+        if score > best_score:
+            best, best_score = ev.step, score
+    return best
+
+
+def pick_request(state) -> int | None:
+    """A running request with the richest lifecycle (preempted ones first)."""
+    best, key = None, None
+    for rid in state.running:
+        r = state.get(rid)
+        if r is None:
+            continue
+        k = (r.preemptions, len(r.log), -rid)
+        if key is None or k > key:
+            best, key = rid, k
+    return best
+
+
+async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | None, what: str) -> None:
+    from kvscope.tui.launch import make_replay_app
+
+    app = make_replay_app(path, playing=False, clock=lambda: 0.0, auto_tick=False)
+    rp = app.replay
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        if what == "replay":
+            # Start of the trace, then jump to the first preemption (or a few steps in).
+            await pilot.press("right", "right", "right")
+            if rp.preempt_steps:
+                await pilot.press("p")
+            await pilot.press("plus", "plus")
+        else:
+            rp.seek(step if step is not None else pick_step(rp.trace))
+            app.pump()
+            await pilot.pause()
+            if what == "request-detail":
+                req = pick_request(app.state)
+                if req is not None:
+                    app.selected = req
+                    from kvscope.tui.screens import RequestDetailScreen
+
+                    await app.push_screen(RequestDetailScreen(req))
+            else:
+                await pilot.press("down")
+        app.pump()
+        app.redraw(force=True)
+        await pilot.pause()
+        svg = app.export_screenshot(title=f"kvscope {what}")
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write(svg)
+
+
+def make_screenshots(trace_path: str, outdir: str, step: int | None = None) -> list[str]:
+    os.makedirs(outdir, exist_ok=True)
+    written = []
+    for what, size in SIZES.items():
+        out = os.path.join(outdir, f"{what}.svg")
+        asyncio.run(_shoot(trace_path, out, size, step, what))
+        written.append(out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvscope.tui.screenshots", description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("outdir")
+    p.add_argument("--step", type=int, default=None, help="step for the dashboard and detail shots")
+    args = p.parse_args(argv)
+    for path in make_screenshots(args.trace, args.outdir, args.step):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""Event sources for the app: anything with ``poll() -> list[Event]`` and ``connection``.
+
+- ``ListSource``: a fixed list of events (tests, screenshots, benchmarks).
+- ``LiveSource``: a ZeroMQ subscriber read on a background thread, plus the control
+  channel (requests run on another thread, so the UI never waits on the engine).
+- ``ReplayController``: a trace played against the wall clock, with seek/step/speed.
+- ``MemoryTrace``: a list of events behaving like ``TraceReader`` (hello, iteration,
+  ``seek``) for tests and for traces built in memory.
+
+None of this imports textual, torch or the engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
+from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
+
+SPEEDS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+
+
+class ListSource:
+    """Hands out a list of events, ``batch`` per poll (all at once by default)."""
+
+    def __init__(self, events: Iterable, *, connection: str = CONN_REPLAY, batch: int | None = None) -> None:
+        self.events = list(events)
+        self.pos = 0
+        self.batch = batch
+        self.connection = connection
+
+    def poll(self) -> list:
+        end = len(self.events) if self.batch is None else min(len(self.events), self.pos + self.batch)
+        out = self.events[self.pos:end]
+        self.pos = end
+        return out
+
+    def feed(self, events: Iterable) -> None:
+        self.events.extend(events)
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- live
+class LiveSource:
+    """Subscribes to an engine's events and talks to its control socket.
+
+    A receiver thread blocks on ``Subscriber.recv`` and appends events to a bounded
+    backlog; ``poll`` (called by the UI timer) drains it. When the backlog is full,
+    new events are dropped and counted in ``take_local_dropped`` (the state is then
+    stale until the next snapshot). A control thread runs requests from a queue;
+    their replies come back through ``take_replies``.
+
+    ``connection``: "live" while events arrive (or the control channel answers, for
+    an idle or paused engine), "disconnected" after ``silence_s`` without either,
+    "connecting" before anything was heard. After silence the control thread asks
+    for a snapshot every ``silence_s``; when events come back a snapshot is asked
+    for at once, so a restarted engine resyncs.
+    """
+
+    def __init__(
+        self,
+        events_addr: str,
+        control_addr: str | None,
+        *,
+        silence_s: float = 2.0,
+        max_backlog: int = 200_000,
+        subscriber_factory: Callable[[str], Any] | None = None,
+        control_factory: Callable[[str], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
+        self.events_addr = events_addr
+        self.control_addr = control_addr
+        self.silence_s = silence_s
+        self.max_backlog = max_backlog
+        self._clock = clock
+        self._subscriber_factory = subscriber_factory
+        self._control_factory = control_factory
+        self._backlog: collections.deque = collections.deque()
+        self._local_dropped = 0
+        self._replies: collections.deque = collections.deque(maxlen=64)
+        self._requests: collections.deque = collections.deque(maxlen=64)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_event: float | None = None
+        self._last_ctl_ok: float | None = None
+        self._last_probe = 0.0
+        self._last_snapshot_req = -1e9
+        self._was_silent = True
+        self.received = 0
+        self.paused: bool | None = None
+        self._threads: list[threading.Thread] = []
+        if start:
+            self.start()
+
+    # -- threads --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._threads:
+            return
+        rx = threading.Thread(target=self._recv_loop, name="kvscope-tui-recv", daemon=True)
+        rx.start()
+        self._threads.append(rx)
+        if self.control_addr:
+            tx = threading.Thread(target=self._control_loop, name="kvscope-tui-control", daemon=True)
+            tx.start()
+            self._threads.append(tx)
+
+    def _make_subscriber(self):
+        if self._subscriber_factory is not None:
+            return self._subscriber_factory(self.events_addr)
+        from kvscope.protocol.transport import Subscriber
+
+        return Subscriber(self.events_addr)
+
+    def _make_control(self):
+        if self._control_factory is not None:
+            return self._control_factory(self.control_addr)
+        from kvscope.protocol.transport import ControlClient
+
+        return ControlClient(self.control_addr, timeout_ms=1000)
+
+    def _recv_loop(self) -> None:
+        sub = self._make_subscriber()
+        backlog = self._backlog
+        try:
+            while not self._stop.is_set():
+                try:
+                    ev = sub.recv(100)
+                except Exception:  # a closed socket at shutdown, or a transport bug
+                    if self._stop.is_set():
+                        break
+                    time.sleep(0.05)
+                    continue
+                if ev is None:
+                    continue
+                self.received += 1
+                now = self._clock()
+                if self._was_silent:
+                    self._was_silent = False
+                    self.request_snapshot(now)
+                self._last_event = now
+                if len(backlog) >= self.max_backlog:
+                    self._local_dropped += 1
+                else:
+                    backlog.append(ev)
+        finally:
+            try:
+                sub.close()
+            except Exception:
+                pass
+
+    def _control_loop(self) -> None:
+        ctl = None
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(0.25)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                now = self._clock()
+                if self._silent(now) and now - self._last_probe >= self.silence_s:
+                    self._last_probe = now
+                    self._was_silent = True
+                    self._requests.append(("snapshot", {}, True))
+                while self._requests and not self._stop.is_set():
+                    cmd, args, quiet = self._requests.popleft()
+                    if ctl is None:
+                        try:
+                            ctl = self._make_control()
+                        except Exception as e:  # no zmq, bad address
+                            self._replies.append((cmd, {"ok": False, "error": str(e)}, quiet))
+                            continue
+                    try:
+                        reply = ctl.request(cmd, **args)
+                    except Exception as e:
+                        reply = {"ok": False, "error": str(e)}
+                    if not isinstance(reply, dict):
+                        reply = {"ok": False, "error": f"bad reply {reply!r}"}
+                    if reply.get("ok"):
+                        self._last_ctl_ok = self._clock()
+                        if "paused" in reply:
+                            self.paused = bool(reply["paused"])
+                    self._replies.append((cmd, reply, quiet))
+        finally:
+            if ctl is not None:
+                try:
+                    ctl.close()
+                except Exception:
+                    pass
+
+    def _silent(self, now: float) -> bool:
+        return self._last_event is None or now - self._last_event > self.silence_s
+
+    # -- the app side ---------------------------------------------------------------
+    def poll(self, limit: int = 50_000) -> list:
+        backlog = self._backlog
+        n = min(len(backlog), limit)
+        return [backlog.popleft() for _ in range(n)]
+
+    def take_local_dropped(self) -> int:
+        n, self._local_dropped = self._local_dropped, 0
+        return n
+
+    def take_replies(self) -> list[tuple[str, dict, bool]]:
+        out = []
+        while self._replies:
+            out.append(self._replies.popleft())
+        return out
+
+    @property
+    def connection(self) -> str:
+        now = self._clock()
+        if self._last_event is not None and now - self._last_event <= self.silence_s:
+            return CONN_LIVE
+        if self._last_ctl_ok is not None and now - self._last_ctl_ok <= self.silence_s + 1.0:
+            return CONN_LIVE  # idle or paused, but answering
+        if self._last_event is None and self._last_ctl_ok is None:
+            return CONN_CONNECTING
+        return CONN_DISCONNECTED
+
+    def request(self, cmd: str, quiet: bool = False, **args) -> None:
+        """Queue a control request; its reply shows up in ``take_replies``."""
+        if not self.control_addr:
+            self._replies.append((cmd, {"ok": False, "error": "no control address"}, quiet))
+            return
+        self._requests.append((cmd, args, quiet))
+        self._wake.set()
+
+    def request_snapshot(self, now: float | None = None) -> bool:
+        """Ask for a snapshot unless one was asked for in the last second."""
+        now = self._clock() if now is None else now
+        if now - self._last_snapshot_req < 1.0:
+            return False
+        self._last_snapshot_req = now
+        self.request("snapshot", quiet=True)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self._threads = []
+
+
+# ----------------------------------------------------------------------------- replay
+class MemoryTrace:
+    """An in-memory trace with the reader's interface: ``hello``, iteration, ``seek``."""
+
+    def __init__(self, events: Iterable) -> None:
+        evs = list(events)
+        if not evs or not isinstance(evs[0], HelloEvent):
+            raise ValueError("a trace starts with a hello event")
+        self.hello = evs[0]
+        self.events = evs[1:]
+        self.warnings: list[str] = []
+
+    def __iter__(self):
+        yield self.hello
+        yield from self.events
+
+    def seek(self, step: int) -> list:
+        end = -1
+        for k, ev in enumerate(self.events):
+            if type(ev) is StepEvent:
+                if ev.step <= step:
+                    end = k
+                else:
+                    break
+        start = 0
+        for k in range(end, -1, -1):
+            ev = self.events[k]
+            if type(ev) is SnapshotEvent and ev.step <= step:
+                start = k
+                break
+        if end < 0:
+            for k, ev in enumerate(self.events):
+                if type(ev) is SnapshotEvent:
+                    return [ev]
+            return []
+        return self.events[start:end + 1]
+
+
+def _events_after_step(trace, step: int):
+    """Events after the step event ``step`` (iter_from when the trace has one)."""
+    it_from = getattr(trace, "iter_from", None)
+    if it_from is not None:
+        return it_from(step)
+    it = iter(trace)
+    for ev in it:
+        if type(ev) is StepEvent and ev.step >= step:
+            break
+    return it
+
+
+class ReplayController:
+    """Plays a trace through the app: ``poll`` returns the events that are due.
+
+    Uses ``kvscope.traces.replay.ReplayClock`` for trace time vs wall time. Going
+    forward (play, single step, seek ahead, next preemption) applies every event in
+    order, exactly as live did. Going back (or far ahead) starts over from
+    ``trace.seek(step)``: a hello (fresh state), the nearest snapshot, then the
+    events up to the step; histograms then restart from that snapshot.
+    """
+
+    FORWARD_LIMIT = 20_000  # seek ahead by applying events when fewer steps than this
+
+    def __init__(self, trace, *, speed: float = 1.0, playing: bool = True,
+                 clock: Callable[[], float] = time.monotonic, max_per_poll: int = 5000) -> None:
+        from kvscope.traces.replay import ReplayClock, event_time
+
+        self.trace = trace
+        self.hello = trace.hello
+        self._now = clock
+        self._event_time = event_time
+        self.max_per_poll = max_per_poll
+        self.connection = CONN_REPLAY
+        # One pass to index steps: (step, end time, had a preemption).
+        self.steps: list[int] = []
+        self.step_t: list[float] = []
+        self.preempt_steps: list[int] = []
+        self.start_t = 0.0
+        first_t = None
+        for ev in trace:
+            if type(ev) is StepEvent:
+                self.steps.append(ev.step)
+                self.step_t.append(ev.t + ev.dur)
+                if ev.preemptions:
+                    self.preempt_steps.append(ev.step)
+                if first_t is None:
+                    first_t = ev.t
+        self.start_t = first_t or 0.0
+        self.end_t = self.step_t[-1] if self.step_t else 0.0
+        self.first_step = self.steps[0] if self.steps else 0
+        self.last_step = self.steps[-1] if self.steps else 0
+        self.cur_step = self.first_step - 1 if self.steps else 0
+        # The events before the first step (hello, opening snapshot, first arrivals)
+        # are shown at once; the clock starts at the first step.
+        it = iter(trace)
+        head: list = []
+        first = None
+        for ev in it:
+            if type(ev) is StepEvent:
+                first = ev
+                break
+            head.append(ev)
+        self.pending: list = head
+        rest = itertools.chain([first], it) if first is not None else it
+        self.clock = ReplayClock(rest, now=clock(), speed=speed, playing=playing)
+
+    # -- status ---------------------------------------------------------------------
+    @property
+    def playing(self) -> bool:
+        return self.clock.playing
+
+    @property
+    def speed(self) -> float:
+        return self.clock.speed
+
+    @property
+    def done(self) -> bool:
+        return self.clock.done and not self.pending
+
+    def status(self) -> dict:
+        now = self._now()
+        t = self.clock.position(now)
+        if self.done:
+            t = self.end_t
+        return {
+            "playing": self.clock.playing and not self.done,
+            "done": self.done,
+            "speed": self.clock.speed,
+            "step": max(self.cur_step, 0),
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "t": min(max(t, self.start_t), self.end_t) if self.steps else 0.0,
+            "start_t": self.start_t,
+            "end_t": self.end_t,
+        }
+
+    # -- the app side ---------------------------------------------------------------
+    def _track(self, events: list) -> list:
+        for ev in events:
+            if type(ev) is StepEvent or type(ev) is SnapshotEvent:
+                self.cur_step = ev.step
+        return events
+
+    def poll(self) -> list:
+        out = self.pending
+        self.pending = []
+        now = self._now()
+        # Paused, nothing more is due: the picture stays exactly at the step shown
+        # (an arrival stamped at the same time as the step's end waits for play).
+        due = self.clock.due(now, limit=self.max_per_poll) if self.clock.playing else []
+        if due:
+            if len(due) >= self.max_per_poll and self.clock.playing:
+                # Behind: hold the clock at the last event handed out instead of
+                # building an ever-growing backlog.
+                t = self._event_time(due[-1])
+                if t is not None:
+                    self.clock.jump(t, now)
+            out = out + due if out else due
+        if self.clock.playing and self.clock.done:
+            self.clock.pause(now)
+        return self._track(out)
+
+    def toggle(self) -> bool:
+        now = self._now()
+        if self.done:
+            self.seek(self.first_step)
+            self.clock.play(now)
+            return True
+        return self.clock.toggle(now)
+
+    def pause(self) -> None:
+        self.clock.pause(self._now())
+
+    def play(self) -> None:
+        self.clock.play(self._now())
+
+    def faster(self) -> float:
+        return self._set_speed(+1)
+
+    def slower(self) -> float:
+        return self._set_speed(-1)
+
+    def _set_speed(self, direction: int) -> float:
+        cur = self.clock.speed
+        i = min(range(len(SPEEDS)), key=lambda j: abs(SPEEDS[j] - cur))
+        i = max(0, min(len(SPEEDS) - 1, i + direction))
+        return self.clock.set_speed(SPEEDS[i], self._now())
+
+    def step_forward(self) -> None:
+        """Pause and hand out the events up to and including the next step event."""
+        now = self._now()
+        self.clock.pause(now)
+        out = []
+        while True:
+            ev = self.clock.step(now)
+            if ev is None:
+                break
+            out.append(ev)
+            if type(ev) is StepEvent:
+                break
+        self.pending.extend(out)
+
+    def step_back(self) -> None:
+        self.pause()
+        target = self.cur_step - 1
+        if target < self.first_step:
+            target = self.first_step
+        self.seek(target)
+
+    def seek(self, step: int) -> int:
+        """Go to just after step ``step`` (clamped to the trace); returns the step."""
+        if not self.steps:
+            return self.cur_step
+        i = bisect.bisect_right(self.steps, step) - 1
+        step = self.steps[max(0, i)]
+        now = self._now()
+        playing = self.clock.playing
+        if self.cur_step < step and step - self.cur_step <= self.FORWARD_LIMIT and not self.pending:
+            out = []
+            while True:
+                ev = self.clock.step(now)
+                if ev is None:
+                    break
+                out.append(ev)
+                if type(ev) is StepEvent and ev.step >= step:
+                    break
+            self.pending.extend(out)
+            self.cur_step = step
+        else:
+            events = list(self.trace.seek(step))
+            if not events or not isinstance(events[0], HelloEvent):
+                events.insert(0, self.hello)
+            self.pending = events
+            self.cur_step = step
+            t = self.step_t[self.steps.index(step)]
+            self.clock.load(_events_after_step(self.trace, step), now, start=t)
+        if not playing:
+            self.clock.pause(now)
+        return step
+
+    def seek_time(self, t: float) -> int:
+        """Go to the last step that ended at or before trace time ``t``."""
+        if not self.steps:
+            return self.cur_step
+        i = bisect.bisect_right(self.step_t, t) - 1
+        return self.seek(self.steps[max(0, i)])
+
+    def next_preemption(self) -> int | None:
+        i = bisect.bisect_right(self.preempt_steps, self.cur_step)
+        if i >= len(self.preempt_steps):
+            return None
+        self.pause()
+        return self.seek(self.preempt_steps[i])
+
+    def close(self) -> None:
+        pass
+
+
+def open_trace(path: str):
+    """A TraceReader for ``path`` (imports the trace package lazily)."""
+    from kvscope.traces.reader import TraceReader
+
+    return TraceReader(path)
+
+
+__all__ = ["ListSource", "LiveSource", "MemoryTrace", "ReplayController", "SPEEDS", "open_trace",
+           "CONN_CONNECTING", "CONN_DISCONNECTED", "CONN_LIVE", "CONN_REPLAY"]

@@ -1,0 +1,674 @@
+"""The TUI's state and the reducer that folds protocol events into it.
+
+``reduce(state, event) -> state`` is the only way events change the picture; live
+mode and replay feed it the same events, so a replay at step N shows what live
+showed at step N. The reducer is deterministic: no clock, no I/O, no randomness.
+For speed it updates ``state`` in place and returns it (a ``hello`` starts and
+returns a fresh state); callers that need a frozen copy take ``picture(state)``.
+
+Every history is bounded (deques with ``maxlen``, fixed-size histograms, a
+bounded store of finished requests), so memory stays flat however long it runs.
+
+Rules this module applies (kept here so the widgets need not know them):
+
+* Blocks, per step, as docs/PROTOCOL.md says: ``freed`` blocks go back to the
+  pool, then each ``alloc`` (block, req) adds the block to req's table (a block
+  still held by a live request becomes shared and keeps its first owner), then
+  ``refs`` set refcounts (the last one per block wins). Prefix-cache extension: a
+  RefChange to 0 of a block not in ``freed`` leaves it *cached* (free, still
+  holding a reusable prefix; a snapshot lists it with refcount 0); a cached block
+  leaves the cache through ``freed``. A request's table is dropped when it
+  finishes, is rejected or is preempted with recompute. For older, non-net
+  streams: a block given to a request that finishes in the same step and also
+  listed in ``freed`` ends free.
+* Prefill chunks: each PREFILL batch entry of a request is one chunk. A recompute
+  preemption starts a new prefill pass over prompt + outputs (chunks done and
+  computed tokens reset to 0). Total chunks of the current pass =
+  ``done + ceil(remaining / chunk)`` with ``remaining = target - computed`` and
+  ``chunk`` = config ``chunk_size`` / ``max_num_batched_tokens`` / the step's
+  token budget in chunked mode; in other modes the rest of the prompt is one
+  chunk. After a snapshot (which carries no chunk counts) ``done`` is estimated
+  the same way from the tokens already computed.
+* A hello identical to the last one (same config and wall_start) is the same
+  engine run announcing itself before an on-demand snapshot: nothing changes. A
+  different hello is a new run: the state starts afresh.
+* Staleness: a step number that is not the previous one + 1, or ``dropped > 0``,
+  marks the state stale; the next snapshot clears it. A step number that goes
+  backwards means the engine restarted: requests, blocks and queues are cleared.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvscope.protocol.events import (
+    DECODE,
+    FINISHED,
+    PREEMPTED,
+    PREFILL,
+    RUNNING,
+    SWAPPED,
+    VERDICT_IDLE,
+    WAITING,
+    Admission,
+    ByeEvent,
+    HelloEvent,
+    KvCounters,
+    RejectEvent,
+    RequestEvent,
+    SnapshotEvent,
+    StepEvent,
+)
+
+HISTORY_STEPS = 512  # per-step batch history kept
+RATE_WINDOW = 32  # steps used for iterations/s and output tok/s
+LOG_LEN = 48  # lifecycle entries kept per request
+FINISHED_KEEP = 128  # finished requests kept for the detail screen
+REJECTS_KEEP = 32
+MAX_LIVE_REQUESTS = 100_000  # guard against a stream that never reports finishes
+
+# Connection states shown in the header.
+CONN_LIVE, CONN_REPLAY, CONN_DISCONNECTED, CONN_CONNECTING = "live", "replay", "disconnected", "connecting"
+
+# Lifecycle log kinds.
+LOG_QUEUED, LOG_PREFILL, LOG_FIRST, LOG_DECODE = "queued", "prefill", "first_token", "decode"
+LOG_PREEMPT, LOG_FINISH, LOG_REJECT, LOG_RESYNC = "preempted", "finished", "rejected", "resync"
+
+
+@dataclass(slots=True)
+class LogEntry:
+    kind: str
+    step: int
+    t: float
+    start: int = 0  # first token position (prefill chunks)
+    tokens: int = 0  # tokens computed (prefill) or decode steps (decode)
+    end_step: int = -1  # last step of a run of decodes
+    end_t: float = 0.0
+    note: str = ""
+
+
+@dataclass(slots=True)
+class ReqView:
+    req: int
+    prompt_len: int = 0
+    max_tokens: int = 0
+    priority: int = 0
+    arrival: float = 0.0
+    state: str = WAITING
+    computed: int = 0
+    output_len: int = 0
+    ttft: float | None = None
+    preemptions: int = 0
+    chunks_done: int = 0  # prefill chunks in the current prefill pass
+    total_chunks: int = 0  # prefill chunks over the request's life
+    prefill_target: int = 0  # tokens this prefill pass must compute
+    decoding: bool = False
+    finish_reason: str | None = None
+    e2e: float | None = None
+    end_t: float | None = None
+    known: bool = True  # False: seen in a queue before any request/snapshot record
+    log: deque = field(default_factory=lambda: deque(maxlen=LOG_LEN))
+
+
+@dataclass(slots=True)
+class StepSample:
+    step: int
+    t: float
+    dur: float
+    prefill: int
+    decode: int
+    padding: int
+    budget: int
+    out_tokens: int
+
+
+@dataclass(slots=True)
+class BlockPool:
+    """Per-block owner (-1: never held or freed), refcount and cached flag."""
+
+    owner: list[int] = field(default_factory=list)
+    refcount: list[int] = field(default_factory=list)
+    cached: bytearray = field(default_factory=bytearray)
+
+    def ensure(self, n: int) -> None:
+        if n > len(self.owner):
+            k = n - len(self.owner)
+            self.owner.extend([-1] * k)
+            self.refcount.extend([0] * k)
+            self.cached.extend(b"\x00" * k)
+
+    def reset(self, n: int) -> None:
+        self.owner = [-1] * n
+        self.refcount = [0] * n
+        self.cached = bytearray(n)
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+
+@dataclass(slots=True)
+class TuiState:
+    config: dict[str, Any] = field(default_factory=dict)
+    wall_start: float | None = None  # identifies the engine run (from hello)
+    version: int = 0  # bumped by every change; the app repaints when it moves
+    conn: str = CONN_CONNECTING
+    step: int = -1
+    t: float = 0.0
+    last_step: int | None = None
+    requests: dict[int, ReqView] = field(default_factory=dict)
+    finished: OrderedDict = field(default_factory=OrderedDict)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    swapped: list[int] = field(default_factory=list)
+    admission: Admission = field(default_factory=lambda: Admission(VERDICT_IDLE))
+    blocks: BlockPool = field(default_factory=BlockPool)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    kv: KvCounters = field(default_factory=KvCounters)
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_STEPS))
+    ttft: Any = None  # LogHistogram
+    itl: Any = None  # LogHistogram
+    last_batch: StepSample | None = None
+    steps_seen: int = 0
+    tokens_out: int = 0
+    finished_count: int = 0
+    rejected_count: int = 0
+    rejects: deque = field(default_factory=lambda: deque(maxlen=REJECTS_KEEP))
+    preemption_count: int = 0
+    dropped: int = 0  # events the publisher reported dropped
+    local_dropped: int = 0  # events this TUI dropped (backlog overflow)
+    gaps: int = 0  # jumps in step numbers
+    stale: bool = False
+    stale_reason: str = ""
+    synced: bool = False  # True once a hello at start or a snapshot was applied
+    snapshots: int = 0
+    restarts: int = 0
+    ended: str | None = None  # bye reason
+
+    def __post_init__(self) -> None:
+        from kvscope.tui.histogram import LogHistogram
+
+        if self.ttft is None:
+            self.ttft = LogHistogram(1e-3, 1e3, 6)
+        if self.itl is None:
+            self.itl = LogHistogram(1e-4, 1e2, 6)
+        if not self.blocks.owner:
+            n = int(self.config.get("num_blocks") or 0)
+            if n:
+                self.blocks.reset(n)
+
+    # -- read helpers used by widgets and screens ---------------------------------
+    @property
+    def mode(self) -> str:
+        return str(self.config.get("mode", "?"))
+
+    @property
+    def block_size(self) -> int:
+        return int(self.config.get("block_size") or 16)
+
+    def get(self, req: int) -> ReqView | None:
+        r = self.requests.get(req)
+        return r if r is not None else self.finished.get(req)
+
+    def chunk_size(self) -> int:
+        for k in ("chunk_size", "max_num_batched_tokens"):
+            v = self.config.get(k)
+            if v:
+                return int(v)
+        return self.last_batch.budget if self.last_batch and self.last_batch.budget > 0 else 512
+
+    def chunks(self, r: ReqView) -> tuple[int, int]:
+        """(done, total) prefill chunks of the current prefill pass (see module doc)."""
+        done = r.chunks_done
+        if r.decoding or r.state == FINISHED:
+            return done, max(done, 1 if r.prefill_target > 0 else 0)
+        remaining = max(0, r.prefill_target - r.computed)
+        if remaining == 0:
+            return done, max(done, 1)
+        if self.mode == "chunked":
+            return done, done + math.ceil(remaining / max(1, self.chunk_size()))
+        return done, done + 1
+
+    def rates(self) -> tuple[float, float]:
+        """(iterations/s, output tokens/s) over the last RATE_WINDOW steps, engine time."""
+        h = self.history
+        n = min(len(h), RATE_WINDOW)
+        if n == 0:
+            return 0.0, 0.0
+        first = h[-n]
+        last = h[-1]
+        span = (last.t + last.dur) - first.t
+        if span <= 0:
+            span = sum(h[-i].dur for i in range(1, n + 1))
+        if span <= 0:
+            return 0.0, 0.0
+        toks = 0
+        for i in range(1, n + 1):
+            toks += h[-i].out_tokens
+        return n / span, toks / span
+
+
+# ---------------------------------------------------------------------------------
+def new_state(config: dict[str, Any] | None = None, conn: str = CONN_CONNECTING) -> TuiState:
+    return TuiState(config=dict(config or {}), conn=conn)
+
+
+def set_connection(state: TuiState, conn: str) -> TuiState:
+    if state.conn != conn:
+        state.conn = conn
+        state.version += 1
+    return state
+
+
+def note_local_drop(state: TuiState, n: int) -> TuiState:
+    """The TUI itself had to drop ``n`` events (its backlog overflowed)."""
+    if n > 0:
+        state.local_dropped += n
+        _mark_stale(state, "events dropped")
+        state.version += 1
+    return state
+
+
+def merge_config(state: TuiState, config: dict[str, Any]) -> TuiState:
+    """Fill in the engine config when the hello was missed (e.g. from a control reply)."""
+    changed = False
+    for k, v in config.items():
+        if k not in state.config:
+            state.config[k] = v
+            changed = True
+    if changed:
+        n = int(state.config.get("num_blocks") or 0)
+        state.blocks.ensure(n)
+        state.version += 1
+    return state
+
+
+def reset_stats(state: TuiState) -> TuiState:
+    state.ttft.clear()
+    state.itl.clear()
+    state.history.clear()
+    state.version += 1
+    return state
+
+
+def reduce(state: TuiState, event: Any) -> TuiState:
+    """Fold one protocol event into the state; returns the (usually same) state."""
+    kind = getattr(event, "type", None)
+    if kind == "step":
+        _step(state, event)
+    elif kind == "request":
+        _request(state, event)
+    elif kind == "snapshot":
+        _snapshot(state, event)
+    elif kind == "hello":
+        return _hello(state, event)
+    elif kind == "reject":
+        _reject(state, event)
+    elif kind == "bye":
+        _bye(state, event)
+    else:
+        return state
+    state.version += 1
+    return state
+
+
+def reduce_all(state: TuiState, events) -> TuiState:
+    for e in events:
+        state = reduce(state, e)
+    return state
+
+
+# -- event handlers -----------------------------------------------------------------
+def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
+    if state.wall_start == ev.wall_start and state.config == ev.config:
+        # The same engine run announcing itself again (before an on-demand
+        # snapshot): nothing to reset.
+        return state
+    fresh = new_state(ev.config, conn=state.conn)
+    fresh.wall_start = ev.wall_start
+    fresh.synced = True
+    fresh.dropped = state.dropped
+    fresh.local_dropped = state.local_dropped
+    fresh.restarts = state.restarts + (1 if state.steps_seen else 0)
+    fresh.version = state.version + 1
+    return fresh
+
+
+def _mark_stale(state: TuiState, reason: str) -> None:
+    state.stale = True
+    if not state.stale_reason:
+        state.stale_reason = reason
+
+
+def _placeholder(state: TuiState, req: int) -> ReqView:
+    r = state.requests.get(req)
+    if r is None:
+        r = ReqView(req=req, known=False)
+        if len(state.requests) < MAX_LIVE_REQUESTS:
+            state.requests[req] = r
+        if not state.synced:
+            _mark_stale(state, "joined mid-stream")
+    return r
+
+
+def _request(state: TuiState, ev: RequestEvent) -> None:
+    r = state.requests.get(ev.req)
+    if r is None:
+        r = ReqView(req=ev.req)
+        if len(state.requests) < MAX_LIVE_REQUESTS:
+            state.requests[ev.req] = r
+    r.prompt_len = ev.prompt_len
+    r.max_tokens = ev.max_tokens
+    r.priority = ev.priority
+    r.arrival = ev.arrival
+    r.prefill_target = max(r.prefill_target, ev.prompt_len)
+    r.known = True
+    r.log.append(LogEntry(LOG_QUEUED, state.step + 1 if state.step >= 0 else 0, ev.arrival))
+
+
+def _retire(state: TuiState, r: ReqView) -> None:
+    state.requests.pop(r.req, None)
+    state.tables.pop(r.req, None)
+    state.finished[r.req] = r
+    state.finished.move_to_end(r.req)
+    while len(state.finished) > FINISHED_KEEP:
+        state.finished.popitem(last=False)
+
+
+def _reject(state: TuiState, ev: RejectEvent) -> None:
+    state.rejected_count += 1
+    state.rejects.append((ev.req, ev.reason, ev.t))
+    r = state.requests.get(ev.req)
+    if r is not None:
+        r.state = FINISHED
+        r.finish_reason = f"rejected: {ev.reason}"
+        r.end_t = ev.t
+        r.log.append(LogEntry(LOG_REJECT, max(state.step, 0), ev.t, note=ev.reason))
+        _retire(state, r)
+    for q in (state.waiting, state.running, state.preempted, state.swapped):
+        if ev.req in q:
+            q.remove(ev.req)
+
+
+def _bye(state: TuiState, ev: ByeEvent) -> None:
+    state.ended = ev.reason or "bye"
+    state.t = max(state.t, ev.t)
+
+
+def _clear_live(state: TuiState) -> None:
+    state.requests.clear()
+    state.tables.clear()
+    state.running = []
+    state.waiting = []
+    state.preempted = []
+    state.swapped = []
+    state.blocks.reset(len(state.blocks))
+    state.admission = Admission(VERDICT_IDLE)
+
+
+def _step(state: TuiState, ev: StepEvent) -> None:
+    last = state.last_step
+    if last is not None:
+        if ev.step <= last:
+            # Step numbers went backwards: the engine restarted without a hello we saw.
+            state.restarts += 1
+            _clear_live(state)
+            state.synced = False
+            _mark_stale(state, "engine restarted")
+        elif ev.step != last + 1:
+            state.gaps += 1
+            _mark_stale(state, f"missed steps {last + 1}..{ev.step - 1}")
+    elif not state.synced:
+        _mark_stale(state, "joined mid-stream")
+    if ev.dropped:
+        state.dropped += ev.dropped
+        _mark_stale(state, f"{ev.dropped} events dropped")
+    state.last_step = ev.step
+    state.step = ev.step
+    state.t = ev.t
+    state.steps_seen += 1
+    step = ev.step
+    t_end = ev.t + ev.dur
+
+    state.admission = ev.admission
+    state.kv = ev.kv
+    if ev.kv.total:
+        state.blocks.ensure(ev.kv.total)
+
+    # Preemptions happen at schedule time, before this step's allocations.
+    for pe in ev.preemptions:
+        state.preemption_count += 1
+        r = _placeholder(state, pe.req)
+        r.preemptions += 1
+        r.log.append(LogEntry(LOG_PREEMPT, step, ev.t, note=f"{pe.reason}, {pe.mode}"))
+        if pe.mode == "swap":
+            r.state = SWAPPED
+        else:
+            r.state = PREEMPTED
+            r.computed = 0
+            r.chunks_done = 0
+            r.decoding = False
+            r.prefill_target = r.prompt_len + r.output_len
+            state.tables.pop(pe.req, None)
+
+    _apply_blocks(state, ev)
+
+    prefill = decode = 0
+    for be in ev.batch:
+        r = _placeholder(state, be.req)
+        r.state = RUNNING
+        r.computed = be.start + be.tokens
+        if be.kind == PREFILL:
+            prefill += be.tokens
+            r.chunks_done += 1
+            r.total_chunks += 1
+            r.log.append(LogEntry(LOG_PREFILL, step, ev.t, start=be.start, tokens=be.tokens, end_step=step, end_t=t_end))
+        else:
+            decode += be.tokens
+            r.decoding = True
+            lg = r.log[-1] if r.log else None
+            if lg is not None and lg.kind == LOG_DECODE and lg.end_step == step - 1:
+                lg.tokens += be.tokens
+                lg.end_step = step
+                lg.end_t = t_end
+            else:
+                r.log.append(LogEntry(LOG_DECODE, step, ev.t, start=be.start, tokens=be.tokens, end_step=step, end_t=t_end))
+
+    for req in ev.sampled:
+        r = state.requests.get(req)
+        if r is not None:
+            r.output_len += 1
+    state.tokens_out += len(ev.sampled)
+
+    for ft in ev.first_tokens:
+        state.ttft.add(ft.ttft)
+        r = state.requests.get(ft.req)
+        if r is not None:
+            r.ttft = ft.ttft
+            r.log.append(LogEntry(LOG_FIRST, step, t_end, note=f"{ft.ttft:.6f}"))
+    for s in ev.itl:
+        state.itl.add(s.gap)
+
+    # Queue membership is authoritative each step.
+    state.running = list(ev.running)
+    state.waiting = list(ev.waiting)
+    state.preempted = list(ev.preempted)
+    state.swapped = list(ev.swapped)
+    for ids, st in ((ev.running, RUNNING), (ev.waiting, WAITING), (ev.preempted, PREEMPTED), (ev.swapped, SWAPPED)):
+        for req in ids:
+            r = state.requests.get(req)
+            if r is None:
+                r = _placeholder(state, req)
+            r.state = st
+
+    freed_set = set(ev.freed) if ev.finished and ev.freed else ()
+    for f in ev.finished:
+        state.finished_count += 1
+        r = state.requests.get(f.req)
+        if r is None:
+            continue
+        if freed_set:
+            # The engine frees a finished request's blocks after this step's
+            # allocations: a block it was given this step and that is in ``freed``
+            # ends free, although ``freed`` was applied before ``alloc``.
+            pool = state.blocks
+            for b in state.tables.get(f.req, ()):
+                if b in freed_set and pool.owner[b] == f.req:
+                    pool.owner[b] = -1
+                    pool.refcount[b] = 0
+                    pool.cached[b] = 0
+        r.state = FINISHED
+        r.ttft = f.ttft if r.ttft is None else r.ttft
+        r.e2e = f.e2e
+        r.output_len = f.output_len
+        r.finish_reason = f.reason
+        r.end_t = t_end
+        r.log.append(LogEntry(LOG_FINISH, step, t_end, note=f.reason))
+        _retire(state, r)
+
+    sample = StepSample(step, ev.t, ev.dur, prefill, decode, ev.padding, ev.budget, len(ev.sampled))
+    state.history.append(sample)
+    state.last_batch = sample
+
+
+def _apply_blocks(state: TuiState, ev: StepEvent) -> None:
+    pool = state.blocks
+    top = -1
+    for b in ev.freed:
+        top = max(top, b)
+    for a in ev.alloc:
+        top = max(top, a.block)
+    for rc in ev.refs:
+        top = max(top, rc.block)
+    if top >= len(pool):
+        pool.ensure(top + 1)
+    owner, refc, cached = pool.owner, pool.refcount, pool.cached
+    freed = ev.freed
+    for b in freed:
+        owner[b] = -1
+        refc[b] = 0
+        cached[b] = 0
+    # refs are absolute counts in the order they happened; the last one per block
+    # wins. A block that dropped to 0 during the step and is allocated again
+    # belongs to the first request that allocates it.
+    final: dict[int, int] = {}
+    zeroed: set[int] = set()
+    for rc in ev.refs:
+        final[rc.block] = rc.refcount
+        if rc.refcount <= 0:
+            zeroed.add(rc.block)
+    claimed: set[int] = set()
+    tables = state.tables
+    for a in ev.alloc:
+        b = a.block
+        if b not in claimed and (owner[b] < 0 or refc[b] <= 0 or b in zeroed):
+            owner[b] = a.req
+            refc[b] = 1
+            claimed.add(b)
+        elif owner[b] != a.req:
+            refc[b] += 1  # provisional; a RefChange gives the exact count
+        cached[b] = 0
+        tbl = tables.get(a.req)
+        if tbl is None:
+            tables[a.req] = [b]
+        else:
+            tbl.append(b)
+    if final:
+        for b, v in final.items():
+            if v > 0:
+                refc[b] = v
+                cached[b] = 0
+            else:
+                refc[b] = 0
+                cached[b] = 1
+
+
+def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
+    prev_requests = state.requests
+    prev_finished = state.finished
+    state.requests = {}
+    state.step = ev.step
+    state.last_step = ev.step
+    state.t = ev.t
+    state.kv = ev.kv
+    state.running = list(ev.running)
+    state.waiting = list(ev.waiting)
+    state.preempted = list(ev.preempted)
+    state.swapped = list(ev.swapped)
+    n = max(ev.kv.total, int(state.config.get("num_blocks") or 0), len(state.blocks))
+    if ev.blocks:
+        n = max(n, max(bo.block for bo in ev.blocks) + 1)
+    state.blocks.reset(n)
+    owner, refc, cached = state.blocks.owner, state.blocks.refcount, state.blocks.cached
+    for bo in ev.blocks:
+        owner[bo.block] = bo.req
+        refc[bo.block] = max(0, bo.refcount)
+        cached[bo.block] = 1 if bo.refcount <= 0 else 0
+    state.tables = {int(k): list(v) for k, v in ev.block_tables.items()}
+    chunk = state.chunk_size()
+    chunked = state.mode == "chunked"
+    for rs in ev.requests:
+        old = prev_requests.get(rs.req) or prev_finished.get(rs.req)
+        r = ReqView(req=rs.req)
+        if old is not None:
+            r.log = old.log
+            r.total_chunks = old.total_chunks
+        r.prompt_len = rs.prompt_len
+        r.max_tokens = rs.max_tokens
+        r.priority = rs.priority
+        r.arrival = rs.arrival
+        r.state = rs.state
+        r.computed = rs.computed
+        r.output_len = rs.output_len
+        r.ttft = rs.ttft
+        r.preemptions = rs.preemptions
+        # Decoding once everything but the last sampled token is in the cache.
+        r.decoding = rs.output_len > 0 and rs.computed >= rs.prompt_len + rs.output_len - 1
+        r.prefill_target = rs.prompt_len + (0 if r.decoding else rs.output_len)
+        prefilled = min(rs.computed, r.prefill_target)
+        if old is not None and old.computed == rs.computed and old.preemptions == rs.preemptions:
+            r.chunks_done = old.chunks_done
+            r.decoding = old.decoding or r.decoding
+        elif prefilled <= 0:
+            r.chunks_done = 0
+        else:
+            r.chunks_done = math.ceil(prefilled / max(1, chunk)) if chunked else 1
+        if rs.state == FINISHED:
+            state.finished[rs.req] = r
+        else:
+            state.requests[rs.req] = r
+        if old is None or state.stale:
+            r.log.append(LogEntry(LOG_RESYNC, ev.step, ev.t, note="snapshot"))
+    state.stale = False
+    state.stale_reason = ""
+    state.synced = True
+    state.snapshots += 1
+
+
+# -- comparison -------------------------------------------------------------------
+def picture(state: TuiState) -> dict[str, Any]:
+    """What the dashboard shows of queues, requests and blocks, as plain data.
+
+    Used to check that replay at step N equals live at step N (histories and
+    lifecycle logs are excluded: after a seek they only start at the snapshot).
+    """
+    reqs = {}
+    for rid, r in state.requests.items():
+        reqs[rid] = (r.state, r.prompt_len, r.max_tokens, r.priority, r.arrival, r.computed,
+                     r.output_len, r.ttft, r.preemptions)
+    return {
+        "step": state.step,
+        "running": list(state.running),
+        "waiting": list(state.waiting),
+        "preempted": list(state.preempted),
+        "swapped": list(state.swapped),
+        "requests": reqs,
+        "owner": [o if rc > 0 else -1 for o, rc in zip(state.blocks.owner, state.blocks.refcount)],
+        "refcount": list(state.blocks.refcount),
+        "cached": [bool(c) for c in state.blocks.cached],
+        "tables": {k: list(v) for k, v in state.tables.items() if v},
+        "kv": state.kv,
+    }

@@ -1,0 +1,79 @@
+"""Header bar: engine config, connection state, step, rates, drops and staleness."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from kvscope.tui import fmt
+from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
+from kvscope.tui.widgets.base import StateWidget, join_lines
+
+
+class HeaderBar(StateWidget):
+    """Two lines: what is running (model, device, mode, policy, blocks), then how it is doing."""
+
+    def render(self) -> Text:
+        st = self.state
+        pal = self.pal
+        width = max(20, self.size.width)
+        top = Text(no_wrap=True, overflow="ellipsis")
+        top.append(" kvscope ", style="bold reverse")
+        if st is None:
+            return top
+        cfg = st.config
+        if cfg:
+            top.append(f" {cfg.get('model', '?')}", style="bold")
+            top.append(f" · {cfg.get('device', '?')}")
+            backend = cfg.get("backend")
+            if backend == "sim":
+                top.append(" · ")
+                top.append(" SIM ", style=f"bold black on {pal.warn}")
+                top.append(" virtual clock", style=pal.dim)
+            elif backend:
+                top.append(f" · {backend}", style=pal.dim)
+            top.append(f" │ {cfg.get('mode', '?')}", style="bold")
+            top.append(f" · {cfg.get('policy', '?')}")
+            nb = cfg.get("num_blocks") or st.kv.total or len(st.blocks)
+            top.append(f" │ {nb}×{cfg.get('block_size', '?')} blocks")
+            budget = cfg.get("max_num_batched_tokens")
+            if budget:
+                top.append(f" · budget {budget}", style=pal.dim)
+            seqs = cfg.get("max_num_seqs")
+            if seqs:
+                top.append(f" · seqs {seqs}", style=pal.dim)
+        else:
+            top.append(" engine config unknown (hello not seen yet)", style=pal.dim)
+
+        bot = Text(no_wrap=True, overflow="ellipsis")
+        conn = st.conn
+        if conn == CONN_LIVE:
+            bot.append(" ● live ", style=f"bold {pal.ok}")
+        elif conn == CONN_REPLAY:
+            bot.append(" ▶ replay ", style=f"bold {pal.bar}")
+        elif conn == CONN_CONNECTING:
+            bot.append(" ○ disconnected ", style=f"bold {pal.bad}")
+            bot.append(f"waiting for engine {getattr(self.app, 'address', '')} ", style=pal.dim)
+        else:
+            bot.append(" ○ disconnected ", style=f"bold {pal.bad}")
+            bot.append("last picture kept ", style=pal.dim)
+        if getattr(self.app, "engine_paused", False):
+            bot.append("⏸ paused ", style=f"bold {pal.warn}")
+        if st.ended and conn != CONN_LIVE:
+            bot.append(f"(engine said bye: {st.ended}) ", style=pal.dim)
+        its, toks = st.rates()
+        bot.append(f"│ step {max(st.step, 0)} ")
+        bot.append(f"│ {fmt.rate(its)} it/s ")
+        bot.append(f"│ {fmt.rate(toks)} tok/s ")
+        bot.append(f"│ done {st.finished_count} ", style=pal.dim)
+        if st.rejected_count:
+            bot.append(f"rej {st.rejected_count} ", style=pal.warn)
+        dropped = st.dropped + st.local_dropped
+        bot.append("│ drop ", style=pal.dim)
+        bot.append(f"{dropped} ", style=f"bold {pal.bad}" if dropped else pal.dim)
+        if st.stale:
+            bot.append(" STALE until next snapshot ", style=f"bold black on {pal.warn}")
+            if st.stale_reason:
+                bot.append(f" {st.stale_reason}", style=pal.warn)
+        top.truncate(width, overflow="ellipsis")
+        bot.truncate(width, overflow="ellipsis")
+        return join_lines([top, bot])

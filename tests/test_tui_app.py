@@ -1,0 +1,350 @@
+"""Pilot tests of the Textual app: replay keys, navigation, screens, live mode with fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import threading
+import time
+
+import pytest
+
+from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
+from kvscope.tui.app import KvscopeApp
+from kvscope.tui.palette import CB
+from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
+from kvscope.tui.sources import ListSource, LiveSource, MemoryTrace, ReplayController
+from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE
+from kvscope.tui.synthetic import SyntheticEngine, synthetic_events
+from kvscope.tui.widgets import BlockMap, HeaderBar, QueueTable
+
+
+def async_test(f):
+    """Run an async test on a fresh asyncio loop (no pytest async plugin needed)."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(f(*args, **kwargs))
+
+    return wrapper
+
+
+class FixedClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def events():
+    return synthetic_events(400, seed=3, bursts=(100,))
+
+
+def replay_app(events, **kw):
+    clock = FixedClock()
+    rc = ReplayController(MemoryTrace(events), playing=False, clock=clock)
+    return KvscopeApp(rc, auto_tick=False, **kw), rc, clock
+
+
+def text_of(widget) -> str:
+    return widget.render().plain
+
+
+@async_test
+async def test_replay_keys(events):
+    app, rc, clock = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert app.state.config["backend"] == "sim" and app.state.step == 0
+        await pilot.press("right", "right", "right")
+        assert rc.cur_step == app.state.step == 3
+        await pilot.press("left")
+        assert app.state.step == 2
+        await pilot.press("p")
+        first = rc.preempt_steps[0]
+        assert app.state.step == first and app.state.preemption_count >= 1
+        await pilot.press("p")
+        assert app.state.step == rc.preempt_steps[1]
+        await pilot.press("g")
+        await pilot.pause()
+        assert isinstance(app.screen, SeekScreen)
+        await pilot.press("2", "5", "0", "enter")
+        await pilot.pause()
+        assert app.state.step == 250 and not isinstance(app.screen, SeekScreen)
+        await pilot.press("g")
+        await pilot.pause()
+        await pilot.press(*"1.0s", "enter")  # a time
+        await pilot.pause()
+        assert rc.step_t[rc.steps.index(app.state.step)] <= 1.0 < rc.step_t[rc.steps.index(app.state.step) + 1]
+        await pilot.press("left")  # back across a snapshot boundary: seek via the trace
+        assert app.state.step == rc.steps[rc.steps.index(rc.cur_step)] and not app.state.stale
+        await pilot.press("plus")
+        assert rc.speed == 2.0
+        await pilot.press("minus", "minus")
+        assert rc.speed == 0.5
+        for _ in range(12):
+            rc.faster()
+        assert rc.speed == 100.0
+        for _ in range(12):
+            rc.slower()
+        assert rc.speed == 0.1
+        for _ in range(6):
+            rc.faster()
+        assert rc.speed == 10.0
+        await pilot.press("space")
+        assert rc.playing
+        clock.t += 1.0  # 10 s of trace time: to the end
+        app.pump()
+        assert app.state.step == rc.last_step and rc.done and app.state.ended == "drained"
+        await pilot.press("space")  # at the end, space restarts from the top
+        assert rc.playing and app.state.step <= rc.first_step
+
+
+@async_test
+async def test_navigation_detail_and_help(events):
+    app, rc, _ = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        rc.seek(200)
+        app.pump()
+        await pilot.pause()
+        running = app.query_one("#running", QueueTable)
+        assert running.has_focus and running.ids == app.state.running
+        await pilot.press("down")
+        assert app.selected == app.state.running[1]
+        blockmap = app.screen.query_one(BlockMap)
+        assert blockmap.selected == app.selected and "▣" in text_of(blockmap)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestDetailScreen) and app.screen.req == app.selected
+        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("tab")  # to WAITING
+        waiting = app.query_one("#waiting", QueueTable)
+        assert waiting.has_focus
+        assert "blocked" in text_of(waiting) or "admitted" in text_of(waiting)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("c")
+        assert app.pal is CB
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert {"Next preemption", "Seek to step…", "Help"} <= set(titles)
+
+
+@async_test
+async def test_fits_80x24(events):
+    app = KvscopeApp(ListSource(events[:-1]), auto_tick=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        for wid in ("header", "running", "waiting", "preempted", "blockmap", "batch", "latency"):
+            w = app.screen.query_one(f"#{wid}")
+            r = w.region
+            assert r.width >= 30 and r.height >= 2, (wid, r)
+            assert r.right <= 80 and r.bottom <= 23, (wid, r)
+
+
+@async_test
+async def test_repaints_are_coalesced():
+    """Thousands of events a second, at most ~30 repaints a second."""
+    eng = SyntheticEngine(seed=1, arrival_p=0.5)
+    source = ListSource([eng.hello()], connection="live")
+    stop = threading.Event()
+
+    def produce():
+        while not stop.is_set():
+            source.feed([ev for _ in range(50) for ev in eng.step()])
+            time.sleep(0.01)  # ~5,000 steps/s
+
+    app = KvscopeApp(source)
+    async with app.run_test(size=(80, 24)) as pilot:
+        t = threading.Thread(target=produce, daemon=True)
+        t0 = time.monotonic()
+        r0 = app.repaints
+        t.start()
+        await asyncio.sleep(1.0)
+        stop.set()
+        t.join()
+        elapsed = time.monotonic() - t0
+        await pilot.pause()
+    assert app.events_applied > 2000
+    assert (app.repaints - r0) <= 30 * elapsed + 3
+
+
+# ------------------------------------------------------------------------------ live
+class FakeEngine:
+    """Stands in for an engine: a PUB queue the subscriber reads, and control replies."""
+
+    def __init__(self) -> None:
+        self.eng = SyntheticEngine(seed=4, arrival_p=0.6)
+        self.pub: collections.deque = collections.deque()
+        self.up = True
+        self.paused = False
+        self.calls: list[str] = []
+
+    def subscriber(self, addr):
+        engine = self
+
+        class Sub:
+            def recv(self, timeout_ms=100):
+                if engine.pub:
+                    return engine.pub.popleft()
+                time.sleep(0.005)
+                return None
+
+            def close(self):
+                pass
+
+        return Sub()
+
+    def control(self, addr):
+        engine = self
+
+        class Ctl:
+            def request(self, cmd, **args):
+                engine.calls.append(cmd)
+                if not engine.up:
+                    return {"ok": False, "error": "timeout"}
+                if cmd == "snapshot":
+                    engine.pub.extend([engine.eng.hello(), engine.eng.snapshot()])
+                    return {"ok": True, "step": engine.eng.done_step}
+                if cmd in ("pause", "resume"):
+                    engine.paused = cmd == "pause"
+                    return {"ok": True, "paused": engine.paused}
+                return {"ok": True}
+
+            def close(self):
+                pass
+
+        return Ctl()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.pub.extend(self.eng.step())
+
+
+async def wait_until(app, pilot, cond, timeout=3.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        app.pump()
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@async_test
+async def test_live_mode_survives_late_start_drops_and_restart():
+    fake = FakeEngine()
+    clock = FixedClock()
+    src = LiveSource("tcp://fake:1", "tcp://fake:2", subscriber_factory=fake.subscriber,
+                     control_factory=fake.control, clock=clock, silence_s=2.0)
+    fake.up = False  # the TUI starts first
+    app = KvscopeApp(src, auto_tick=False, address="tcp://fake:1")
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+            app.pump()
+            assert app.state.conn == CONN_CONNECTING
+            assert "disconnected" in text_of(app.screen.query_one(HeaderBar))
+            # the engine comes up mid-stream: we missed its hello
+            fake.up = True
+            fake.eng.step()
+            fake.run(20)
+            assert await wait_until(app, pilot, lambda: app.state.step > 0 and not app.state.stale)
+            assert "snapshot" in fake.calls  # asked for one on first contact / while stale
+            assert app.state.conn == CONN_LIVE and app.state.config["backend"] == "sim"
+            # control keys
+            await pilot.press("b", "l", "space")
+            assert await wait_until(app, pilot, lambda: app.engine_paused)
+            assert {"burst", "long", "pause"} <= set(fake.calls)
+            assert "paused" in text_of(app.screen.query_one(HeaderBar))
+            await pilot.press("space")
+            assert await wait_until(app, pilot, lambda: not app.engine_paused)
+            # dropped events: counter and stale until the next snapshot
+            evs = fake.eng.step()
+            for ev in evs:
+                if isinstance(ev, StepEvent):
+                    ev.dropped = 7
+            fake.pub.extend(evs)
+            assert await wait_until(app, pilot, lambda: app.state.dropped == 7)
+            clock.t += 1.1  # snapshot requests are rate-limited to one a second
+            assert await wait_until(app, pilot, lambda: not app.state.stale)  # resynced
+            # the engine goes away: disconnected after 2 s of silence, last picture kept
+            fake.up = False
+            before = dict(app.state.requests)
+            clock.t += 4.0  # no events and no control reply for longer than silence_s
+            assert await wait_until(app, pilot, lambda: app.state.conn == CONN_DISCONNECTED)
+            assert app.state.requests.keys() == before.keys()
+            assert "disconnected" in text_of(app.screen.query_one(HeaderBar))
+            # a new engine run: hello, snapshot at step 0, steps from 1
+            fake.up = True
+            fake.eng = SyntheticEngine(seed=8)
+            fake.pub.extend([fake.eng.hello(), fake.eng.snapshot()])
+            clock.t += 0.1
+            fake.run(5)
+            assert await wait_until(app, pilot, lambda: app.state.conn == CONN_LIVE and app.state.step == 5)
+            assert not app.state.stale and app.state.restarts >= 1
+    finally:
+        src.close()
+
+
+@async_test
+async def test_live_backlog_overflow_counts_local_drops():
+    fake = FakeEngine()
+    fake.up = True
+    src = LiveSource("tcp://fake:1", None, subscriber_factory=fake.subscriber, max_backlog=10, start=False)
+    fake.pub.extend([fake.eng.hello()] + [ev for _ in range(30) for ev in fake.eng.step()])
+    src.start()
+    deadline = time.monotonic() + 3
+    while fake.pub and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    src.close()
+    assert len(src.poll()) == 10
+    assert src.take_local_dropped() > 0
+
+
+def _cells(app):
+    """(char, fg, bg, bold, reverse) for every cell of the screen; fg of blanks ignored."""
+    import io
+
+    from rich.console import Console
+
+    w, _ = app.size
+    console = Console(width=w, file=io.StringIO(), force_terminal=True, color_system="truecolor")
+    rows: list[list] = [[]]
+    for seg in console.render(app.screen._compositor.render_update(full=True)):
+        if seg.control:
+            if rows[-1]:
+                rows.append([])
+            continue
+        st = seg.style
+        for ch in seg.text:
+            fg = st.color.triplet if st and st.color and ch != " " else None
+            bg = st.bgcolor.triplet if st and st.bgcolor else None
+            rows[-1].append((ch, fg, bg, bool(st and st.bold), bool(st and st.reverse)))
+    return rows
+
+
+def test_fast_line_rendering_matches_textual(events):
+    """The widgets' Strip fast path draws exactly what Textual's own path draws."""
+    from kvscope.tui.widgets.base import StateWidget
+
+    async def grid(fast: bool, keys):
+        StateWidget.FAST_LINES = fast
+        try:
+            app = KvscopeApp(ListSource(events[:-1], connection="live"), mode="live", auto_tick=False)
+            async with app.run_test(size=(90, 26)) as pilot:
+                await pilot.pause()
+                await pilot.press(*keys)
+                await pilot.pause()
+                return _cells(app)
+        finally:
+            StateWidget.FAST_LINES = True
+
+    for keys in (["down"], ["down", "enter"]):
+        assert asyncio.run(grid(True, keys)) == asyncio.run(grid(False, keys))
