@@ -3,8 +3,8 @@
     python bench/tui_throughput.py [--steps 20000] [--blocks 2048] [--seqs 64] [--app 5]
 
 1. Reducer: feeds N synthetic step events (plus their request/snapshot events)
-   through ``kvscope.tui.state.reduce`` and prints steps/s, and the peak memory
-   traced while doing so at N/4 and at N steps (flat = bounded histories).
+   through ``kvscope.tui.state.reduce`` and prints steps/s; then, in a second pass
+   under tracemalloc, the peak memory after N/4 and after N steps (flat = bounded).
 2. With ``--app S``: runs the Textual app headless for S seconds while a thread
    feeds it events at ``--rate`` steps/s, and prints the steps applied per second,
    repaints per second (must stay <= 30) and the backlog left at the end.
@@ -36,18 +36,22 @@ def make_events(steps: int, blocks: int, seqs: int, budget: int, seed: int = 0) 
 
 
 def bench_reducer(events: list) -> dict:
+    """Speed without tracing, then memory with tracemalloc in a second pass."""
     n_steps = sum(1 for e in events if e.type == "step")
-    quarter = len(events) // 4
-    tracemalloc.start()
     state = new_state()
     t0 = time.perf_counter()
-    for e in events[:quarter]:
-        state = reduce(state, e)
-    _, peak_quarter = tracemalloc.get_traced_memory()
-    for e in events[quarter:]:
+    for e in events:
         state = reduce(state, e)
     dt = time.perf_counter() - t0
-    _, peak = tracemalloc.get_traced_memory()
+    quarter = len(events) // 4
+    tracemalloc.start()
+    traced = new_state()
+    for e in events[:quarter]:
+        traced = reduce(traced, e)
+    cur_quarter, peak_quarter = tracemalloc.get_traced_memory()
+    for e in events[quarter:]:
+        traced = reduce(traced, e)
+    cur, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return {
         "steps": n_steps,
@@ -55,7 +59,9 @@ def bench_reducer(events: list) -> dict:
         "seconds": round(dt, 3),
         "steps_per_s": round(n_steps / dt),
         "events_per_s": round(len(events) / dt),
-        "peak_traced_mib_at_quarter": round(peak_quarter / 2**20, 2),
+        "state_mib_after_quarter": round(cur_quarter / 2**20, 2),
+        "state_mib_at_end": round(cur / 2**20, 2),
+        "peak_traced_mib_after_quarter": round(peak_quarter / 2**20, 2),
         "peak_traced_mib_at_end": round(peak / 2**20, 2),
         "live_requests_at_end": len(state.requests),
         "history_len": len(state.history),
