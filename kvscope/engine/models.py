@@ -107,8 +107,9 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
 
         try:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise KvscopeError(f"cannot load checkpoint {name!r}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # a corrupt file or mismatched shapes surface as several exception types
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise KvscopeError(f"cannot load checkpoint {name!r}: {first_line}") from None
         model = model.to(device).eval()
         try:
             tokenizer = HFTokenizer(name)
