@@ -99,6 +99,19 @@ def test_checkpoint_whose_weights_do_not_match_its_config(tmp_path, llama_dir):
     assert "cannot load checkpoint" in one_line_error(excinfo)
 
 
+def test_checkpoint_missing_a_tensor_is_refused_not_filled_with_random_weights(tmp_path, llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{llama_dir}/model.safetensors")
+    dropped = next(k for k in sorted(weights) if k.endswith("mlp.up_proj.weight"))
+    del weights[dropped]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(f"{llama_dir}/config.json").read())
+    with pytest.raises(KvscopeError) as excinfo:
+        LLM(str(tmp_path), device="cpu")
+    assert dropped in one_line_error(excinfo)
+
+
 # ---- per-request errors ------------------------------------------------------------------------------
 
 

@@ -106,10 +106,15 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
+            model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
+                                                               output_loading_info=True)
         except Exception as e:  # a corrupt file or mismatched shapes surface as several exception types
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise KvscopeError(f"cannot load checkpoint {name!r}: {first_line}") from None
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:  # transformers would quietly fill these with random values
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise KvscopeError(f"checkpoint {name!r} lacks weights: {missing[0]}{more}")
         model = model.to(device).eval()
         try:
             tokenizer = HFTokenizer(name)
