@@ -76,6 +76,15 @@ def test_repeated_hello_is_an_announcement():
     assert not s.requests and s.steps_seen == 0
 
 
+def test_late_joiner_keeps_snapshot_whatever_the_hello_order():
+    snap = SnapshotEvent(step=5, t=0.05, requests=[RequestState(3, RUNNING, 10, 5, 10, 1, 0, 0.0, 0.01, 0)],
+                         blocks=[BlockOwner(0, 3, 1)], block_tables={3: [0]}, running=[3])
+    for order in ([snap, hello()], [hello(), snap]):
+        s = reduce_all(new_state(), [step(5, running=[3]), *order, step(6, running=[3])])
+        assert not s.stale and s.config["model"] == "m"
+        assert s.requests[3].known and s.tables == {3: [0]} and s.blocks.owner[0] == 3
+
+
 def test_request_row_lifecycle():
     s = reduce_all(new_state(), [hello(), RequestEvent(7, 600, 3, 2, 0.0)])
     r = s.requests[7]

@@ -28,7 +28,7 @@ def pick_step(trace) -> int:
     best, best_score = steps[0].step, -1.0
     for ev in steps[lo:hi]:
         util = ev.kv.used / ev.kv.total if ev.kv.total else 0.0
-        score = len(ev.running) + min(len(ev.waiting), 16) / 2 + len(ev.preempted) + 10 * util
+        score = 2 * len(ev.running) + min(len(ev.waiting), 16) / 2 + 2 * len(ev.preempted) + 4 * util
         if score > best_score:
             best, best_score = ev.step, score
     return best

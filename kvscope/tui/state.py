@@ -30,8 +30,10 @@ Rules this module applies (kept here so the widgets need not know them):
   chunk. After a snapshot (which carries no chunk counts) ``done`` is estimated
   the same way from the tokens already computed.
 * A hello identical to the last one (same config and wall_start) is the same
-  engine run announcing itself before an on-demand snapshot: nothing changes. A
-  different hello is a new run: the state starts afresh.
+  engine run announcing itself around an on-demand snapshot: nothing changes. The
+  first hello seen only teaches the config (a late joiner may get it just after
+  the snapshot it asked for). A different hello after that is a new engine run:
+  the state starts afresh.
 * Staleness: a step number that is not the previous one + 1, or ``dropped > 0``,
   marks the state stale; the next snapshot clears it. A step number that goes
   backwards means the engine restarted: requests, blocks and queues are cleared.
@@ -324,8 +326,19 @@ def reduce_all(state: TuiState, events) -> TuiState:
 # -- event handlers -----------------------------------------------------------------
 def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
     if state.wall_start == ev.wall_start and state.config == ev.config:
-        # The same engine run announcing itself again (before an on-demand
+        # The same engine run announcing itself again (around an on-demand
         # snapshot): nothing to reset.
+        return state
+    if not state.config:
+        # The first hello we see. Either the run is just starting, or we joined it
+        # late and this hello came with an on-demand snapshot (before or after it):
+        # keep what we have, learn the config.
+        state.config = dict(ev.config)
+        state.wall_start = ev.wall_start
+        state.blocks.ensure(int(ev.config.get("num_blocks") or 0))
+        if state.steps_seen == 0 and state.snapshots == 0:
+            state.synced = True
+        state.version += 1
         return state
     fresh = new_state(ev.config, conn=state.conn)
     fresh.wall_start = ev.wall_start
