@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
+from kvscope.protocol.events import StepEvent
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.palette import CB
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
@@ -348,3 +348,23 @@ def test_fast_line_rendering_matches_textual(events):
 
     for keys in (["down"], ["down", "enter"]):
         assert asyncio.run(grid(True, keys)) == asyncio.run(grid(False, keys))
+
+
+@async_test
+async def test_live_subscriber_error_is_shown():
+    def broken(addr):
+        raise ValueError("bad address")
+
+    src = LiveSource("nonsense", None, subscriber_factory=broken)
+    app = KvscopeApp(src, auto_tick=False)
+    try:
+        async with app.run_test(size=(80, 24), notifications=True) as pilot:
+            deadline = time.monotonic() + 2
+            while src.error is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            app.pump()
+            await pilot.pause()
+            assert app.state.conn == CONN_DISCONNECTED
+            assert any("bad address" in str(n.message) for n in app._notifications)
+    finally:
+        src.close()

@@ -78,6 +78,7 @@ class KvscopeApp(App):
         self.repaints = 0
         self._drawn_key = None
         self._last_draw = 0.0
+        self._error_shown: str | None = None
 
     # -- screens --------------------------------------------------------------------
     def get_default_screen(self) -> Screen:
@@ -110,6 +111,10 @@ class KvscopeApp(App):
         if replies is not None:
             for cmd, reply, quiet in replies():
                 self._on_reply(cmd, reply, quiet)
+        error = getattr(src, "error", None)
+        if error and error != self._error_shown:
+            self._error_shown = error
+            self.notify(error, severity="error", timeout=15)
         if st.stale and st.conn == CONN_LIVE and hasattr(src, "request_snapshot"):
             src.request_snapshot()
         self.redraw()

@@ -95,6 +95,7 @@ class LiveSource:
         self._last_snapshot_req = -1e9
         self._was_silent = True
         self.received = 0
+        self.error: str | None = None  # set when the subscriber cannot be created
         self.paused: bool | None = None
         self._threads: list[threading.Thread] = []
         if start:
@@ -127,7 +128,11 @@ class LiveSource:
         return ControlClient(self.control_addr, timeout_ms=1000)
 
     def _recv_loop(self) -> None:
-        sub = self._make_subscriber()
+        try:
+            sub = self._make_subscriber()
+        except Exception as e:  # no zmq, or a malformed address
+            self.error = f"cannot subscribe to {self.events_addr}: {e}"
+            return
         backlog = self._backlog
         try:
             while not self._stop.is_set():
@@ -216,6 +221,8 @@ class LiveSource:
 
     @property
     def connection(self) -> str:
+        if self.error:
+            return CONN_DISCONNECTED
         now = self._clock()
         if self._last_event is not None and now - self._last_event <= self.silence_s:
             return CONN_LIVE

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscope.protocol.events import (
-    DECODE,
     FINISHED,
     PREEMPTED,
     PREFILL,

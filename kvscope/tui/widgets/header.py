@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from kvscope.tui import fmt
-from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
+from kvscope.tui.state import CONN_CONNECTING, CONN_LIVE, CONN_REPLAY
 from kvscope.tui.widgets.base import StateWidget, join_lines
 
 
