@@ -57,3 +57,13 @@ def test_shared_blocks_keep_first_owner_and_refcounts():
     assert owners == {1: 5} and refs == {1: 1}
     apply_block_deltas(owners, StepEvent(3, 0, 0, 1, freed=[1], finished=[Finish(5, 0, 0, 1, "stop")]), refs)
     assert owners == {} and refs == {}
+
+
+def test_delta_log_lists_allocations_in_the_order_they_happened():
+    log = BlockDeltaLog()
+    log.free(5)  # request 1 releases block 5 early in the step...
+    log.alloc(9, 2)  # ...request 2 grows into block 9 first
+    log.alloc(5, 2)  # ...and then into block 5
+    alloc, freed = log.take()
+    assert [(a.block, a.req) for a in alloc] == [(9, 2), (5, 2)]
+    assert freed == [5]

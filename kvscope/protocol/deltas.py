@@ -21,16 +21,19 @@ class BlockDeltaLog:
     """Call ``alloc(block, req)`` when a block leaves the free pool for a request,
     ``free(block)`` when it returns to the pool; ``take()`` at the end of a step."""
 
-    __slots__ = ("_start", "_now")
+    __slots__ = ("_start", "_now", "_alloc_order")
 
     def __init__(self) -> None:
-        self._start: dict[int, object] = {}  # block -> None (free) / _OWNED / req, at step start
+        self._start: dict[int, object] = {}  # block -> None (free) / _OWNED, at step start
         self._now: dict[int, int | None] = {}  # block -> current owner or None
+        self._alloc_order: dict[int, None] = {}  # blocks in order of their latest allocation
 
     def alloc(self, block: int, req: int) -> None:
         if block not in self._start:
             self._start[block] = None
         self._now[block] = req
+        self._alloc_order.pop(block, None)
+        self._alloc_order[block] = None
 
     def free(self, block: int) -> None:
         if block not in self._start:
@@ -38,18 +41,14 @@ class BlockDeltaLog:
         self._now[block] = None
 
     def take(self) -> tuple[list[BlockAlloc], list[int]]:
-        """(alloc, freed) for the step so far, in first-touch order; resets the log."""
-        alloc: list[BlockAlloc] = []
-        freed: list[int] = []
-        for block, start in self._start.items():
-            now = self._now[block]
-            if start is not None:
-                if now is None or now != start:
-                    freed.append(block)
-                    if now is not None:
-                        alloc.append(BlockAlloc(block, now))
-            elif now is not None:
-                alloc.append(BlockAlloc(block, now))
+        """(alloc, freed) for the step so far; resets the log.
+
+        ``freed`` is in first-touch order; ``alloc`` in the order the allocations
+        happened, so a request's new blocks appear in its block-table order.
+        """
+        freed = [b for b, start in self._start.items() if start is not None]
+        alloc = [BlockAlloc(b, self._now[b]) for b in self._alloc_order if self._now[b] is not None]
         self._start.clear()
         self._now.clear()
+        self._alloc_order.clear()
         return alloc, freed
