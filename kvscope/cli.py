@@ -57,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvscope.engine.workload import load_spec
 
     load_spec(args.workload)  # fail on a bad workload before loading the model
+    _stop_on_sigterm()
     engine = LLMEngine(_engine_config(args))
     sinks, control = _open_outputs(args, engine)
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
@@ -81,6 +82,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, {"config": engine.hello().config, "summary": summary.to_dict()})
     return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends serve like Ctrl-C does: the summary prints and the trace gets its index."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _open_outputs(args, engine):

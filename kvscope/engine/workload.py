@@ -734,9 +734,9 @@ PRESETS: dict[str, WorkloadSpec] = {
         ),
         WorkloadSpec(
             name="demo", num_requests=96,
-            arrival=ArrivalSpec.burst(8, 10.0, size_max=12, background_rate=2.0),
-            prompt_len=LengthDist.mixture([(0.93, _LN(48, 0.6, 16, 128)), (0.07, _U(1024, 2048))]),
-            output_len=_U(16, 128),
+            arrival=ArrivalSpec.burst(16, 6.0, size_max=28, background_rate=4.0),
+            prompt_len=LengthDist.mixture([(0.93, _LN(64, 0.6, 16, 192)), (0.07, _U(1024, 2048))]),
+            output_len=_U(32, 256),
             shared_prefix_fraction=0.25, shared_prefix_len=64,
             description="live CPU demo with the tiny model: short chat, a few long prompts, bursts",
         ),
