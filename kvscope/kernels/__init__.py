@@ -17,7 +17,15 @@ class AttentionOps:
 
 
 def select_attention_ops(device_type: str) -> AttentionOps:
-    """Torch references everywhere for now; the Triton kernels take over on CUDA once they land."""
+    """Triton kernels on CUDA, torch references everywhere else.
+
+    The Triton modules are imported only here and only for CUDA, so the CPU path
+    never imports triton (and tests can switch on its interpreter first).
+    """
+    if device_type == "cuda":
+        from kvscope.kernels import triton_attention
+
+        return AttentionOps("triton", triton_attention.write_kv, triton_attention.paged_attention)
     return AttentionOps("torch-reference", reference.write_kv, reference.paged_attention)
 
 
