@@ -9,7 +9,7 @@ from kvscope.engine.errors import KvscopeError
 
 MODES = ("naive", "static", "continuous", "chunked")
 POLICIES = ("fcfs",)
-BACKENDS = ("model",)
+BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 
 
 @dataclass
@@ -29,6 +29,13 @@ class EngineConfig:
     prefix_caching: bool = False
     preemption: str = "recompute"
     cpu_threads: int | None = None  # torch threads on CPU; None: half the cores, leaving room for watchers
+    # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
+    gpu: str = "h100-sxm5"  # sim: catalog GPU
+    tp: int = 1  # sim: tensor-parallel degree
+    kv_cache_dtype: str = "auto"  # sim: auto (the model's activation dtype), bf16, fp16, fp8, fp32
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV (sim; shared with issue 5)
+    sim_efficiency: dict | None = None  # sim: eff_bw, eff_flops, overhead_s, per_seq_s (None: catalog priors)
+    sim_pace: float | None = None  # sim: hold virtual time to at most pace x wall time (1.0: real time)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -49,6 +56,10 @@ class EngineConfig:
             raise KvscopeError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise KvscopeError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
+        if self.backend == "sim":
+            from kvscope.engine.sim.backend import validate_sim_config
+
+            validate_sim_config(self)
         if self.prefix_caching:
             raise KvscopeError("prefix caching is not implemented yet")
 

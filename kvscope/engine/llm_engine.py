@@ -10,6 +10,7 @@ import torch
 
 from kvscope.engine import telemetry
 from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.model_runner import ModelRunner
@@ -52,19 +53,28 @@ class LLMEngine:
                  snapshot_interval_s: float = 2.0) -> None:
         config.validate()
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            # Oversubscribed OpenMP threads spin-wait: with the dashboard or event threads on the
-            # same cores, a step can take 10-50x longer. Leave them a core.
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
-        self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
+        self.clock = WallClock()
+        self.sim = None  # backend "sim": kvscope.engine.sim.backend.SimBackend
+        if config.backend == "sim":
+            from kvscope.engine.sim.backend import SimBackend
+
+            self.sim = SimBackend(config)
+            self.clock = self.sim.clock
+            self.device, self.dtype, self.loaded = self.sim.device, self.sim.dtype, self.sim.loaded
+        else:
+            self.device = resolve_device(config.device)
+            self.dtype = resolve_dtype(config.dtype, self.device)
+            if self.device.type == "cpu":
+                # Oversubscribed OpenMP threads spin-wait: with the dashboard or event threads on the
+                # same cores, a step can take 10-50x longer. Leave them a core.
+                torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
+            self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.num_blocks or self._auto_num_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(
+        self.runner = self.sim.runner if self.sim else ModelRunner(
             self.loaded, device=self.device, dtype=self.dtype, num_blocks=num_blocks,
             block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
             seed=config.seed,
@@ -78,7 +88,8 @@ class LLMEngine:
         self._waste_steps = 0
         self.num_preemptions = 0
         self.wall_start = time.time()
-        self._t0 = time.perf_counter()
+        if self.sim is None:
+            self.clock = WallClock()  # time starts once the model is loaded
         if sink is not None:
             self.attach(sink)
 
@@ -90,6 +101,8 @@ class LLMEngine:
 
     # ---- sizing --------------------------------------------------------------
     def _auto_num_blocks(self) -> int:
+        if self.sim is not None:
+            return self.sim.num_blocks(self.config.block_size)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -111,13 +124,15 @@ class LLMEngine:
         return self.block_manager.num_blocks
 
     def now(self) -> float:
-        return time.perf_counter() - self._t0
+        return self.clock.now()
 
     def hello(self) -> HelloEvent:
         config = self.config.to_dict()
         config.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                       num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       attention=self.runner.ops.name, preemption_mode=self.config.preemption)
+        if self.sim is not None:
+            config.update(self.sim.hello_info())
         return HelloEvent(PROTOCOL_VERSION, config, self.wall_start)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -124,7 +124,14 @@ class Server:
                 break
             else:
                 wait = IDLE_POLL_S if upcoming is None else start + upcoming.arrival - self.engine.now()
-                time.sleep(max(0.0, min(wait, IDLE_POLL_S)))
+                clock = self.engine.clock
+                if clock.jumps and upcoming is not None and not self.paused:
+                    clock.sleep_until(start + upcoming.arrival)  # virtual time: jump the idle gap
+                else:
+                    pause = max(0.0, min(wait, IDLE_POLL_S))
+                    clock.sleep_until(self.engine.now() + pause)
+                    if clock.jumps:
+                        time.sleep(pause)  # paused on virtual time: wait for the human, not the clock
         return self.summary()
 
     def _finished(self, req: Request) -> None:

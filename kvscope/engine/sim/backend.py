@@ -1,0 +1,92 @@
+"""What LLMEngine needs to run on the sim backend: the clock, a model stand-in, KV sizing, the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvscope.engine.clock import VirtualClock
+from kvscope.engine.errors import KvscopeError
+from kvscope.engine.sim import catalog
+from kvscope.engine.sim.cost import DTYPE_BYTES, CostModel, Efficiency
+from kvscope.engine.sim.runner import SimRunner
+from kvscope.engine.tokenizer import ByteTokenizer
+
+
+def validate_sim_config(config) -> None:
+    catalog.gpu(config.gpu)
+    catalog.model(config.model)
+    if not isinstance(config.tp, int) or config.tp < 1:
+        raise KvscopeError(f"tp must be an integer >= 1, got {config.tp!r}")
+    if config.kv_cache_dtype != "auto" and config.kv_cache_dtype not in DTYPE_BYTES:
+        raise KvscopeError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r} "
+                           f"(choose from auto, {', '.join(DTYPE_BYTES)})")
+    u = config.gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+        raise KvscopeError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+    if config.sim_pace is not None and not config.sim_pace > 0:
+        raise KvscopeError(f"sim_pace must be > 0, got {config.sim_pace!r}")
+    if config.sim_efficiency is not None:
+        try:
+            eff = Efficiency.from_dict(config.sim_efficiency)
+        except (TypeError, ValueError, AttributeError):
+            raise KvscopeError(f"bad sim_efficiency {config.sim_efficiency!r}") from None
+        if not (eff.eff_bw > 0 and eff.eff_flops > 0 and eff.overhead_s >= 0 and eff.per_seq_s >= 0):
+            raise KvscopeError(f"sim_efficiency out of range: {eff.to_dict()}")
+
+
+@dataclass
+class SimModel:
+    """Stands in for LoadedModel: the fields the engine and the serve loop read."""
+
+    name: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+    tokenizer: ByteTokenizer | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class SimBackend:
+    def __init__(self, config) -> None:
+        self.gpu = catalog.gpu(config.gpu)
+        self.shape = catalog.model(config.model)
+        kv_dtype = None if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        eff = Efficiency.from_dict(config.sim_efficiency) if config.sim_efficiency else Efficiency()
+        self.cost = CostModel(self.gpu, self.shape, tp=config.tp, kv_dtype=kv_dtype, efficiency=eff)
+        self.clock = VirtualClock(config.sim_pace)
+        self.config = config
+        m = self.shape
+        eos = m.vocab_size - 1  # the sim never produces it; it keeps workload prompts clear of the top id
+        self.loaded = SimModel(
+            name=m.name, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
+            eos_token_ids=frozenset({eos}),
+            tokenizer=ByteTokenizer() if m.vocab_size > ByteTokenizer.NUM_BYTES else None,
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        )
+        self.runner = SimRunner(self.cost, self.clock, m.vocab_size, eos)
+        self.device = f"sim:{self.gpu.name}" + (f"x{config.tp}" if config.tp > 1 else "")
+        self.dtype = m.weight_dtype
+
+    def num_blocks(self, block_size: int) -> int:
+        n = self.cost.num_blocks(block_size, self.config.gpu_memory_utilization)
+        if n < 1:
+            need = self.shape.weight_bytes / self.config.tp / catalog.GiB
+            have = self.gpu.memory_bytes * self.config.gpu_memory_utilization / catalog.GiB
+            raise KvscopeError(f"{self.shape.name} does not fit on {self.gpu.name} x{self.config.tp}: "
+                               f"{need:.1f} GiB of weights per GPU, {have:.1f} GiB usable; raise --tp")
+        return n
+
+    def hello_info(self) -> dict:
+        c = self.cost
+        return {
+            "backend": "sim",
+            "gpu": self.gpu.name,
+            "sim_model": self.shape.name,
+            "tp": self.config.tp,
+            "kv_cache_dtype": c.kv_dtype,
+            "weight_dtype": self.shape.weight_dtype,
+            "gpu_memory_utilization": self.config.gpu_memory_utilization,
+            "sim_efficiency": c.eff.to_dict(),
+        }

@@ -1,0 +1,197 @@
+"""GPUs and model shapes for the cost model. Every number carries its source.
+
+GPU rates are the vendor's *dense* figures (the datasheets headline the 2:4-sparse
+rate, twice as high; inference GEMMs are dense). Memory sizes are what the device
+reports to CUDA (GiB), rounded as the datasheet rounds them.
+Model shapes are the fields of the model's config.json on its model card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvscope.engine.errors import KvscopeError
+
+GB = 1e9
+GiB = 1 << 30
+TB = 1e12
+TFLOPS = 1e12
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    memory_bw: float  # bytes/s
+    matrix_rate: dict[str, float]  # dense matrix FLOP/s by dtype; a dtype it lacks falls back to bf16
+    interconnect_bw: float  # bytes/s per direction to peers (tensor parallel all-reduce)
+    source: str
+    note: str = ""
+
+    def rate(self, dtype: str) -> float:
+        if dtype in self.matrix_rate:
+            return self.matrix_rate[dtype]
+        # FP8 weights on a GPU without FP8 tensor cores run as weight-only FP8 with bf16 math (Marlin style).
+        return self.matrix_rate.get("bf16") or self.matrix_rate["fp32"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    weight_dtype: str  # of the linear layers
+    params: float | None  # published parameter count (None for built-in test shapes)
+    source: str
+    embed_dtype: str = ""  # embeddings and lm_head; "" = same as weight_dtype (FP8 checkpoints keep them bf16)
+    note: str = field(default="", compare=False)
+
+    # ---- derived sizes -------------------------------------------------------
+    @property
+    def layer_linear_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        mlp = 3 * h * self.intermediate_size  # gate, up, down (SwiGLU)
+        return attn + mlp
+
+    @property
+    def linear_params(self) -> int:
+        return self.num_layers * self.layer_linear_params
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        return self.linear_params + embed + (0 if self.tie_word_embeddings else self.lm_head_params)
+
+    @property
+    def embed_bytes_per_param(self) -> int:
+        return DTYPE_BYTES[self.embed_dtype or self.weight_dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes resident in GPU memory (norms and quantisation scales are ignored: < 0.1%)."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.linear_params * DTYPE_BYTES[self.weight_dtype] + embed * self.embed_bytes_per_param
+
+    @property
+    def weight_bytes_read_per_step(self) -> int:
+        """Every step streams all linear weights and the lm_head; the embedding is a gather of a few rows."""
+        return self.linear_params * DTYPE_BYTES[self.weight_dtype] + self.lm_head_params * self.embed_bytes_per_param
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+_NV = "NVIDIA {} datasheet, dense (non-sparse) Tensor Core figures"
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("h100-sxm5", 80 * GiB, 3.35 * TB, {"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+        450 * GB,
+        source=_NV.format("H100 Tensor Core GPU (SXM5)") + ": 80 GB HBM3, 3.35 TB/s, BF16 1,979 / FP8 3,958 TFLOPS "
+        "with sparsity (halved here), NVLink 900 GB/s bidirectional (450 GB/s each way). "
+        "https://www.nvidia.com/en-us/data-center/h100/"),
+    GPU("h200", 141 * GB, 4.8 * TB, {"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+        450 * GB,
+        source=_NV.format("H200 Tensor Core GPU (SXM)") + ": 141 GB HBM3e, 4.8 TB/s, BF16 1,979 / FP8 3,958 "
+        "TFLOPS with sparsity (halved here), NVLink 900 GB/s. https://www.nvidia.com/en-us/data-center/h200/",
+        note="DESIGN.md measured device-to-device copy at about 4.2 TB/s (read + write) on one H200"),
+    GPU("a100-80gb", 80 * GiB, 2.039 * TB, {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}, 300 * GB,
+        source=_NV.format("A100 Tensor Core GPU (SXM4 80GB)") + ": 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
+        "dense (624 sparse), no FP8, NVLink 600 GB/s bidirectional. https://www.nvidia.com/en-us/data-center/a100/"),
+    GPU("l4", 24 * GB, 300 * GB, {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242.5 * TFLOPS}, 32 * GB,
+        source=_NV.format("L4 Tensor Core GPU") + ": 24 GB GDDR6, 300 GB/s, BF16 242 / FP8 485 TFLOPS with "
+        "sparsity (halved here); no NVLink, PCIe Gen4 x16 64 GB/s bidirectional. "
+        "https://www.nvidia.com/en-us/data-center/l4/"),
+    GPU("cpu", 16 * GiB, 20 * GB, {"fp32": 50 * 1e9, "bf16": 50 * 1e9}, 0.0,
+        source="nominal figures for a small x86 host (two-channel DDR4, a few AVX2 cores); a starting point "
+        "only: `kvscope calibrate` on a CPU trace replaces the efficiencies and overhead",
+        note="the device of the CPU-recorded traces (traces/demo-cpu.kvtrace)"),
+)}
+
+
+def _builtin(name: str, shape: dict, source: str) -> ModelShape:
+    return ModelShape(
+        name=name, num_layers=shape["num_hidden_layers"], hidden_size=shape["hidden_size"],
+        num_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"], intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        tie_word_embeddings=shape["tie_word_embeddings"], weight_dtype="fp32", params=None, source=source,
+    )
+
+
+_LLAMA70 = dict(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
+                tie_word_embeddings=False, params=70.6e9)
+_LLAMA70_SRC = ("meta-llama/Llama-3.3-70B-Instruct model card and config.json (80 layers, hidden 8192, 64 heads, "
+                "8 KV heads, intermediate 28672, vocab 128256, 131072 positions, 70B params). "
+                "https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct")
+
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("llama-3.3-70b", weight_dtype="bf16", source=_LLAMA70_SRC, **_LLAMA70),
+    ModelShape("llama-3.3-70b-fp8", weight_dtype="fp8", embed_dtype="bf16",
+               source=_LLAMA70_SRC + "; FP8 weights as in RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic (linear "
+               "layers FP8, embeddings and lm_head kept BF16). "
+               "https://huggingface.co/RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", **_LLAMA70),
+    ModelShape("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+               tie_word_embeddings=False, weight_dtype="bf16", params=8.03e9,
+               source="meta-llama/Llama-3.1-8B model card and config.json (32 layers, hidden 4096, 32 heads, "
+               "8 KV heads, intermediate 14336, vocab 128256, 8.03B params). "
+               "https://huggingface.co/meta-llama/Llama-3.1-8B"),
+    ModelShape("qwen3-0.6b", num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+               intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+               tie_word_embeddings=True, weight_dtype="bf16", params=0.6e9,
+               source="Qwen/Qwen3-0.6B model card and config.json (28 layers, hidden 1024, 16 Q / 8 KV heads, "
+               "head_dim 128, intermediate 3072, vocab 151936, tied embeddings, 0.6B params, 0.44B "
+               "non-embedding). https://huggingface.co/Qwen/Qwen3-0.6B"),
+    ModelShape("qwen3-8b", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+               intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
+               tie_word_embeddings=False, weight_dtype="bf16", params=8.2e9,
+               source="Qwen/Qwen3-8B model card and config.json (36 layers, hidden 4096, 32 Q / 8 KV heads, "
+               "head_dim 128, intermediate 12288, vocab 151936, 8.2B params, 6.95B non-embedding). "
+               "https://huggingface.co/Qwen/Qwen3-8B"),
+)}
+
+
+def _add_builtins() -> None:
+    # The engine's own built-in shapes (kvscope/engine/models.py), so a CPU trace of "tiny" can be calibrated.
+    from kvscope.engine.models import BUILTIN_SHAPES
+
+    for name, shape in BUILTIN_SHAPES.items():
+        if name not in MODELS:
+            MODELS[name] = _builtin(name, shape, "kvscope built-in shape, kvscope/engine/models.py BUILTIN_SHAPES")
+
+
+_add_builtins()
+
+# Names the engine's --model accepts for the same shapes (the real checkpoints' directory names).
+ALIASES = {"meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+           "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "qwen3-8b"}
+DEVICE_ALIASES = {"cuda": "h100-sxm5", "auto": "h100-sxm5"}
+
+
+def gpu(name: str) -> GPU:
+    key = DEVICE_ALIASES.get(name, name).lower()
+    if key not in GPUS:
+        raise KvscopeError(f"unknown sim GPU {name!r} (choose from {', '.join(GPUS)})")
+    return GPUS[key]
+
+
+def model(name: str) -> ModelShape:
+    key = ALIASES.get(name, name)
+    if key not in MODELS:
+        raise KvscopeError(f"unknown sim model {name!r} (choose from {', '.join(MODELS)})")
+    return MODELS[key]
