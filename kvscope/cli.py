@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: half the cores)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights, activations and KV (default: 0.9)")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
 
 
 def _engine_config(args: argparse.Namespace, **overrides):
@@ -40,6 +43,7 @@ def _engine_config(args: argparse.Namespace, **overrides):
                     block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     seed=args.seed, cpu_threads=args.cpu_threads)
+    settings.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     settings.update(overrides)
     return EngineConfig(**settings)
 

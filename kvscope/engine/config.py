@@ -29,6 +29,7 @@ class EngineConfig:
     prefix_caching: bool = False
     preemption: str = "recompute"
     cpu_threads: int | None = None  # torch threads on CPU; None: half the cores, leaving room for watchers
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
     gpu: str = "h100-sxm5"  # sim: catalog GPU
     tp: int = 1  # sim: tensor-parallel degree
@@ -56,6 +57,11 @@ class EngineConfig:
             raise KvscopeError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise KvscopeError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise KvscopeError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
+            raise KvscopeError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         if self.backend == "sim":
             from kvscope.engine.sim.backend import validate_sim_config
 

@@ -79,6 +79,8 @@ class LLMEngine:
             block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
             seed=config.seed,
         )
+        if self.sim is None and self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(config.effective_max_num_seqs, self.max_model_len)
         self.sink: EventSink | None = None
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
@@ -105,8 +107,13 @@ class LLMEngine:
             return self.sim.num_blocks(self.config.block_size)
         per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
+            from kvscope.engine.cuda_graphs import kv_cache_budget_bytes
+
+            c = self.config
+            budget = kv_cache_budget_bytes(
+                self.loaded, self.device, self.dtype, block_size=c.block_size,
+                max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.effective_max_num_seqs,
+                gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager)
         else:
             budget = CPU_KV_CACHE_BYTES
         return max(1, budget // per_block)

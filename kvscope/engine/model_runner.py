@@ -35,6 +35,7 @@ class ModelRunner:
             loaded.head_dim, dtype=dtype, device=device,
         )
         self.ops = select_attention_ops(device.type)
+        self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)
         attention.install(self.model)
 
@@ -87,18 +88,30 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
         return input_ids, position_ids, meta, sample_rows
 
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        input_ids, position_ids, meta, sample_rows = self._build_inputs(out)
+        keep = torch.tensor(sample_rows if sample_rows else [0], dtype=torch.long, device=self.device)
+        ctx = attention.ForwardContext(self.kv_cache, meta, self.ops)
+        with attention.forward_context(ctx):
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              logits_to_keep=keep).logits[0]
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """CUDA only: capture decode-step graphs (see cuda_graphs.py); eager if capture fails."""
+        from kvscope.engine.cuda_graphs import try_capture
+
+        self.graphs = try_capture(self, max_batch, max_model_len)
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, params: dict[int, SamplingParams]) -> dict[int, int]:
         """Compute the step; returns the sampled token of every sequence with sample=True."""
         self.sampler.forget(out.finished_req_ids)
         if out.is_empty:
             return {}
-        input_ids, position_ids, meta, sample_rows = self._build_inputs(out)
-        keep = torch.tensor(sample_rows if sample_rows else [0], dtype=torch.long, device=self.device)
-        ctx = attention.ForwardContext(self.kv_cache, meta, self.ops)
-        with attention.forward_context(ctx):
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                logits_to_keep=keep).logits[0]
+        if self.graphs is not None and self.graphs.can_run(out):
+            logits = self.graphs.run(out)  # a decode-only step: replay the captured forward
+        else:
+            logits = self._forward(out)
         sampled_ids = [s.req_id for s in out.seqs if s.sample]
         if not sampled_ids:
             return {}

@@ -1,0 +1,172 @@
+"""The GPU path's two start-up jobs: KV sizing from profiled memory, and CUDA graphs for decode steps.
+
+KV sizing (`kv_cache_budget_bytes`): run one dummy forward of
+max_num_batched_tokens tokens, note the activation peak, and give the KV cache
+what remains of gpu_memory_utilization x total memory after everything already
+resident (weights, CUDA context, other processes) and that peak.
+
+Decode graphs (`DecodeGraphs`): a decode-only step launches a few hundred small
+kernels per forward, so its CPU launch cost can exceed its GPU time. The whole
+forward is captured once per batch size in CAPTURE_SIZES (up to max_num_seqs),
+over static input and metadata buffers; a step pads its batch to the nearest
+captured size, copies its inputs into the buffers and replays. Padding rows
+write nowhere (slot -1) and attend over one token of block 0; their logits are
+dropped. The decode kernel's split count is fixed at capture for the longest
+context (each split then covers an equal share of its sequence's actual length).
+
+Only imported on CUDA; nothing here runs on CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kvscope.engine import attention
+from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.kernels import AttentionMetadata
+
+GRAPH_MEMORY_RESERVE = 256 << 20  # bytes kept back for the graphs' private memory pool
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 32; always ending at max_batch."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch]
+    s = 8
+    while s < max_batch:
+        sizes.append(s)
+        s += 8 if s < 256 else 32
+    sizes.append(max_batch)
+    return sizes
+
+
+@torch.inference_mode()
+def kv_cache_budget_bytes(loaded, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                          max_num_batched_tokens: int, max_num_seqs: int, gpu_memory_utilization: float,
+                          cuda_graphs: bool) -> int:
+    """Bytes the KV cache may take: util x total, less what is resident and the profiled activation peak."""
+    from kvscope.kernels import select_attention_ops
+
+    model = loaded.model
+    attention.install(model)
+    n = max(1, min(max_num_batched_tokens, loaded.max_position_embeddings))
+    nblocks = -(-n // block_size)
+    kv = torch.zeros(loaded.num_layers, 2, nblocks, block_size, loaded.num_kv_heads, loaded.head_dim, dtype=dtype,
+                     device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(nblocks, dtype=torch.int32, device=device)[None],
+        block_size=block_size, query_lens_host=[n], seq_lens_host=[n],
+    )
+    ids = torch.zeros(1, n, dtype=torch.long, device=device)
+    pos = torch.arange(n, dtype=torch.long, device=device)[None]
+    keep = torch.arange(n - min(n, max_num_seqs), n, dtype=torch.long, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ctx = attention.ForwardContext(kv, meta, select_attention_ops("cuda"))
+    with attention.forward_context(ctx):
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+    logits.float().softmax(-1)  # the sampler's working copy
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del logits, kv, ctx
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    resident = total - free  # weights, CUDA context, library workspaces, other processes
+    budget = int(total * gpu_memory_utilization) - resident - peak - (GRAPH_MEMORY_RESERVE if cuda_graphs else 0)
+    return max(0, budget)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the model's forward for decode-only steps, one per captured batch size."""
+
+    def __init__(self, runner, max_batch: int, max_model_len: int) -> None:
+        self.runner = runner
+        dev = runner.device
+        self.sizes = capture_sizes(max(1, max_batch))
+        big = self.sizes[-1]
+        self.block_size = runner.block_size
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // self.block_size)
+        self.input_ids = torch.zeros(1, big, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, big, dtype=torch.long, device=dev)
+        self.slots = torch.full((big,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(big, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(big + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(big, self.width, dtype=torch.int32, device=dev)
+        self.keep = torch.arange(big, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        ctx = attention.ForwardContext(self.runner.kv_cache, meta, self.runner.ops)
+        with attention.forward_context(ctx):
+            return self.runner.model(input_ids=self.input_ids[:, :b], position_ids=self.positions[:, :b],
+                                     use_cache=False, logits_to_keep=self.keep[:b]).logits[0]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for b in reversed(self.sizes):  # largest first, so the smaller graphs fit in its pool
+            meta = AttentionMetadata(
+                slot_mapping=self.slots[:b], query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b],
+                block_tables=self.block_tables[:b], block_size=self.block_size, query_lens_host=[1] * b,
+                seq_lens_host=[self.max_model_len] * b,  # the split count is fixed for the longest context
+            )
+            self._forward(b, meta)  # warm-up: compiles this size's kernels outside the capture
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self._forward(b, meta)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+    def can_run(self, out: SchedulerOutput) -> bool:
+        seqs = out.seqs
+        return (0 < len(seqs) <= self.sizes[-1] and not out.pad_rows
+                and all(len(s.token_ids) == 1 and s.sample and s.start_pos < self.max_model_len
+                        and len(s.block_table) <= self.width for s in seqs))
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [n, vocab] of the step's n sequences, in order."""
+        seqs = out.seqs
+        n = len(seqs)
+        b = next(size for size in self.sizes if size >= n)
+        bs = self.block_size
+        ids = [s.token_ids[0] for s in seqs]
+        pos = [s.start_pos for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        # One host tensor, one copy to the device, then split into the static buffers.
+        host = torch.tensor(ids + pos + slots + [p + 1 for p in pos], dtype=torch.long)
+        dev = host.to(self.runner.device)
+        self.input_ids[0, :n].copy_(dev[:n])
+        self.positions[0, :n].copy_(dev[n : 2 * n])
+        self.slots[:n].copy_(dev[2 * n : 3 * n])
+        self.seq_lens[:n].copy_(dev[3 * n :])
+        if b > n:
+            self.slots[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(1)
+        self.block_tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.graphs[b].replay()
+        return self.logits[b][:n]
+
+
+def try_capture(runner, max_batch: int, max_model_len: int) -> DecodeGraphs | None:
+    """Capture the decode graphs; on any failure say so and run eagerly instead."""
+    graphs = DecodeGraphs(runner, max_batch, max_model_len)
+    try:
+        graphs.capture()
+    except Exception as e:  # a model op that cannot be captured must not stop the engine
+        print(f"kvscope: CUDA graph capture failed, decode steps run eagerly ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        torch.cuda.synchronize(runner.device)
+        return None
+    return graphs
