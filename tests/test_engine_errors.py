@@ -25,7 +25,13 @@ def one_line_error(excinfo) -> str:
 
 @pytest.mark.parametrize("settings, match", [
     (dict(mode="fast"), "unknown mode 'fast'"),
-    (dict(policy="sjf"), "unknown policy 'sjf'"),
+    (dict(policy="lifo"), "unknown policy 'lifo'"),
+    (dict(policy="no_such_module_xyz:Policy"), "cannot import 'no_such_module_xyz'"),
+    (dict(policy="kvscope.engine.policies:Nope"), "has no 'Nope'"),
+    (dict(policy="kvscope.engine.policies:BUILTIN"), "is not a class"),
+    (dict(policy="collections:OrderedDict"), "lacks order()"),
+    (dict(preemption="drop"), "unknown preemption mode 'drop'"),
+    (dict(swap_space=-1), "swap_space must be"),
     (dict(backend="magic"), "unknown backend"),
     (dict(block_size=0), "block_size must be an integer >= 1"),
     (dict(max_num_seqs=-3), "max_num_seqs must be an integer >= 1"),

@@ -24,6 +24,7 @@ from kvscope.protocol import (
     ItlSample,
     KvCounters,
     Preemption,
+    PrefixHit,
     ProtocolError,
     RefChange,
     RejectEvent,
@@ -31,6 +32,7 @@ from kvscope.protocol import (
     RequestState,
     SnapshotEvent,
     StepEvent,
+    Swap,
     decode,
     encode,
 )
@@ -48,7 +50,7 @@ fl = st.floats(allow_nan=False, allow_infinity=False)
 name = st.text(max_size=30)
 short_list = lambda s: st.lists(s, max_size=6)  # noqa: E731
 
-kv = st.builds(KvCounters, *([u] * 8))
+kv = st.builds(KvCounters, *([u] * 13))
 batch_entry = st.builds(BatchEntry, req, st.sampled_from([E.PREFILL, E.DECODE]), small_u, small_u)
 admission = st.builds(
     Admission,
@@ -89,6 +91,8 @@ step = st.builds(
     itl=short_list(st.builds(ItlSample, req, fl)),
     kv=kv,
     dropped=small_u,
+    hits=short_list(st.builds(PrefixHit, req, small_u, small_u)),
+    swaps=short_list(st.builds(Swap, req, st.sampled_from([E.SWAP_OUT, E.SWAP_IN]), small_u)),
 )
 request_state = st.builds(
     RequestState,
@@ -101,6 +105,7 @@ request_state = st.builds(
     i64,
     fl,
     st.one_of(st.none(), fl),
+    small_u,
     small_u,
 )
 snapshot = st.builds(
@@ -157,7 +162,8 @@ def test_wire_form_is_plain_msgpack():
     assert m["batch"] == [[3, "decode", 1, 40]]  # nested records are positional arrays
     assert m["alloc"] == [[9, 3]]
     assert m["admission"] == ["idle", None, None]
-    assert m["kv"] == [4, 0, 0, 0, 0, 0, 0, 0]
+    assert m["kv"] == [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert m["hits"] == [] and m["swaps"] == []
     snap = SnapshotEvent(1, 0.0, block_tables={5: [1, 2]})
     assert msgpack.unpackb(encode(snap), raw=False)["block_tables"] == [[5, [1, 2]]]
 
@@ -187,11 +193,17 @@ def test_missing_defaults_and_unknown_keys():
     # Nested records: missing trailing fields with defaults are filled, extra ones ignored.
     data = msgpack.packb(
         {"type": "step", "step": 1, "t": 0.0, "dur": 0.0, "budget": 8, "admission": ["blocked"],
-         "preemptions": [[4, "kv_blocks"]], "kv": [1, 2, 3, 4, 5, 6, 7, 8, 9]}
+         "preemptions": [[4, "kv_blocks"]], "kv": list(range(1, 15))}
     )
     ev = decode(data)
     assert ev.admission == Admission("blocked") and ev.preemptions == [Preemption(4, "kv_blocks", "recompute")]
-    assert ev.kv == KvCounters(1, 2, 3, 4, 5, 6, 7, 8)
+    assert ev.kv == KvCounters(*range(1, 14))
+    # A stream written before prefix caching and swapping: 8 counters, no hits/swaps keys.
+    ev = decode(_step(kv=list(range(1, 9))))
+    assert ev.kv == KvCounters(*range(1, 9)) and ev.kv.hit_tokens == 0 and ev.hits == [] and ev.swaps == []
+    ev = decode(msgpack.packb({"type": "snapshot", "step": 1, "t": 0.0,
+                               "requests": [[1, "swapped", 1, 1, 0, 0, 0, 0.0, None, 0]]}))
+    assert ev.requests[0].cached_tokens == 0 and ev.requests[0].state == "swapped"
 
 
 def _step(**over):
@@ -218,6 +230,8 @@ BAD = {
     "negative count": _step(budget=-1),
     "bad kind": _step(batch=[[1, "chunk", 1, 0]]),
     "bad verdict": _step(admission=["maybe", None, None]),
+    "bad swap direction": _step(swaps=[[1, "sideways", 2]]),
+    "negative hit": _step(hits=[[1, -3, 1]]),
     "short record": _step(batch=[[1, "decode"]]),
     "record not array": _step(batch=[{"req": 1}]),
     "list not array": _step(running=5),

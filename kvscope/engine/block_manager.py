@@ -1,13 +1,24 @@
-"""Paged KV-cache allocator: fixed-size blocks, per-request block tables, refcounts.
+"""Paged KV-cache allocator: fixed-size blocks, per-request block tables, refcounts, prefix cache.
 
 Pure bookkeeping, no tensors. The model runner turns block tables into slot
 indices; this class only decides which physical block holds which logical block.
 Every allocation and free is also logged, so the engine can publish block-map deltas.
+
+Prefix caching (``enable_caching``): once a block is full of computed tokens it is
+registered under a hash of (parent block's hash, its token ids), so the hash names
+the whole prefix up to the block's end. A request admitted later whose tokens start
+with the same prefix shares those physical blocks (refcount + 1) instead of
+computing them. A registered block whose refcount drops to 0 stays *cached*: free,
+but reusable until allocation evicts it, least recently released first. A shared
+or cached block is never written: if the first token to compute falls inside a hit
+block, that block is copied first (copy-on-write) and the copy is written.
+Protocol view (docs/PROTOCOL.md): a block going to refcount 0 and staying cached is
+a RefChange to 0; a cached block leaves the cache through ``freed``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvscope.protocol.deltas import BlockDeltaLog
@@ -24,30 +35,57 @@ class BlockDeltas:
 
     alloc: list[tuple[int, int]]  # (block, request)
     freed: list[int]
-    refs: list[tuple[int, int]]  # (block, new refcount) for blocks whose count changed but stayed > 0
+    refs: list[tuple[int, int]]  # (block, new refcount), in order, for shared / cached blocks
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its parent's key and its own tokens."""
+    return hash((parent, tokens))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # free and holding nothing reusable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0: oldest release first
+        self.block_hash: list[int | None] = [None] * num_blocks  # registered prefix key, if any
+        self._by_hash: dict[int, int] = {}
         self.tables: dict[int, list[int]] = {}
         self.filled: dict[int, int] = {}  # tokens whose KV is written, per request
+        self._chains: dict[int, list[int]] = {}  # per request: keys of its full blocks, in order
         self._log = BlockDeltaLog()
         self._log_refs: list[tuple[int, int]] = []
+        self._ref_logged: set[int] = set()
+        self._copies: list[tuple[int, int]] = []
+        # prefix-cache statistics, since start
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.cow_copies = 0
+        self.evictions = 0
 
     # ---- queries -------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: plain free ones and cached ones (evicted on use)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> list[int]:
+        """Cached blocks (refcount 0, reusable), least recently released first."""
+        return list(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def capacity_tokens(self) -> int:
@@ -62,50 +100,155 @@ class BlockManager:
         return max(0, blocks_needed(total_tokens, self.block_size) - have)
 
     def can_grow(self, req_id: int, total_tokens: int) -> bool:
-        return self.new_blocks_for(req_id, total_tokens) <= len(self._free)
+        return self.new_blocks_for(req_id, total_tokens) <= self.num_free
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest run of token_ids' leading full blocks (empty without caching)."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        blocks: list[int] = []
+        parent = None
+        for i in range(len(token_ids) // bs):
+            key = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block = self._by_hash.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = key
+        return blocks
+
+    def can_admit(self, hits: list[int], total_tokens: int) -> bool:
+        """Whether a new request sharing `hits` can get blocks covering total_tokens."""
+        need = blocks_needed(total_tokens, self.block_size) - len(hits)
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return need <= self.num_free - revived
 
     # ---- mutations -----------------------------------------------------------
+    def _log_ref(self, block: int, count: int) -> None:
+        self._log_refs.append((block, count))
+        self._ref_logged.add(block)
+
+    def _take(self, req_id: int) -> int:
+        """A block for req_id: a plain free one, else the least recently released cached one."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self.block_hash[block]]
+            self.block_hash[block] = None
+            self.evictions += 1
+            self._log.free(block)  # it leaves the cache
+        self.ref_counts[block] = 1
+        self._log.alloc(block, req_id)
+        if block in self._ref_logged:
+            self._log_ref(block, 1)  # supersedes an earlier count of this step
+        return block
+
+    def _release(self, block: int) -> None:
+        count = self.ref_counts[block] - 1
+        if count < 0:
+            raise AssertionError(f"block {block} freed twice")
+        self.ref_counts[block] = count
+        if count > 0:
+            self._log_ref(block, count)
+        elif self.block_hash[block] is not None:
+            self._evictable[block] = None  # stays cached, most recently released last
+            self._log_ref(block, 0)
+        else:
+            self._free.append(block)
+            self._log.free(block)
+
+    def admit(self, req_id: int, hits: list[int], computed: int, total_tokens: int) -> bool:
+        """Give a new request the cached blocks `hits` (tokens [0, computed) are in them), then
+        blocks up to total_tokens; all or nothing. A hit block that the first computed token
+        would write into is copied (copy-on-write) rather than shared."""
+        if not self.can_admit(hits, total_tokens):
+            return False
+        bs = self.block_size
+        table = self.tables.setdefault(req_id, [])
+        self.filled[req_id] = computed
+        chain = self._chains.setdefault(req_id, [])
+        for i, block in enumerate(hits):
+            chain.append(self.block_hash[block])
+            if computed < (i + 1) * bs:
+                # the write at position `computed` lands in this block: copy it first
+                pinned = block in self._evictable
+                if pinned:
+                    del self._evictable[block]
+                copy = self._take(req_id)
+                if pinned:
+                    self._evictable[block] = None
+                    self._evictable.move_to_end(block, last=False)  # keep its place: oldest first
+                self._copies.append((block, copy))
+                self.cow_copies += 1
+                table.append(copy)
+                continue
+            count = self.ref_counts[block] + 1
+            if count == 1:
+                del self._evictable[block]
+            self.ref_counts[block] = count
+            self._log.alloc(block, req_id)
+            self._log_ref(block, count)
+            table.append(block)
+        return self.grow(req_id, total_tokens)
+
     def grow(self, req_id: int, total_tokens: int) -> bool:
         """Make req_id's table cover total_tokens slots; all or nothing."""
         need = self.new_blocks_for(req_id, total_tokens)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         table = self.tables.setdefault(req_id, [])
         self.filled.setdefault(req_id, 0)
         for _ in range(need):
-            block = self._free.popleft()
-            self.ref_counts[block] = 1
-            table.append(block)
-            self._log.alloc(block, req_id)
+            table.append(self._take(req_id))
         return True
 
-    def set_filled(self, req_id: int, num_tokens: int) -> None:
-        if req_id in self.tables:
-            self.filled[req_id] = num_tokens
-
-    def free(self, req_id: int) -> None:
-        """Drop req_id's references; blocks nobody references return to the pool."""
-        table = self.tables.pop(req_id, None)
-        self.filled.pop(req_id, None)
+    def set_filled(self, req_id: int, num_tokens: int, token_ids: list[int] | None = None) -> None:
+        """KV now exists for req_id's first num_tokens tokens; with caching, register its full blocks."""
+        table = self.tables.get(req_id)
         if table is None:
             return
-        # Return blocks tail first so recently used blocks are handed out last.
+        self.filled[req_id] = num_tokens
+        if not self.enable_caching or token_ids is None:
+            return
+        bs = self.block_size
+        chain = self._chains.setdefault(req_id, [])
+        for i in range(len(chain), min(num_tokens, len(token_ids)) // bs):
+            key = block_hash(chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+            chain.append(key)
+            block = table[i]
+            if key not in self._by_hash and self.block_hash[block] is None:
+                self._by_hash[key] = block
+                self.block_hash[block] = key
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def free(self, req_id: int) -> None:
+        """Drop req_id's references; blocks nobody references return to the pool (or stay cached)."""
+        table = self.tables.pop(req_id, None)
+        self.filled.pop(req_id, None)
+        self._chains.pop(req_id, None)
+        if table is None:
+            return
+        # Release tail first: recently used blocks are handed out last, and a request's
+        # tail blocks leave the cache before the prefix blocks others are likelier to share.
         for block in reversed(table):
-            count = self.ref_counts[block] - 1
-            if count < 0:
-                raise AssertionError(f"block {block} freed twice")
-            self.ref_counts[block] = count
-            if count == 0:
-                self._free.append(block)
-                self._log.free(block)
-            else:
-                self._log_refs.append((block, count))
+            self._release(block)
 
     def drain_deltas(self) -> BlockDeltas:
         alloc, freed = self._log.take()
         deltas = BlockDeltas([(a.block, a.req) for a in alloc], freed, self._log_refs)
         self._log_refs = []
+        self._ref_logged = set()
         return deltas
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write pairs (src, dst) made since the last call, to apply before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
 
     # ---- accounting ----------------------------------------------------------
     def counters(self) -> KvCounters:
@@ -122,15 +265,22 @@ class BlockManager:
             total=self.num_blocks,
             used=self.num_used,
             free=self.num_free,
-            cached=0,
+            cached=len(self._evictable),
             shared=shared,
             token_slots=tokens,
             tail_waste=tail,
             reserve_waste=reserve,
+            hit_tokens=self.hit_tokens,
+            query_tokens=self.query_tokens,
+            cow_copies=self.cow_copies,
         )
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
     def check_invariants(self) -> None:
-        """Raise AssertionError if refcounts, tables and the free list disagree."""
+        """Raise AssertionError if refcounts, tables, the free list and the cache disagree."""
         expected = [0] * self.num_blocks
         for table in self.tables.values():
             for block in table:
@@ -138,5 +288,15 @@ class BlockManager:
         assert expected == self.ref_counts, "refcounts disagree with block tables"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
+        cached = set(self._evictable)
+        assert not free & cached, "a block is both free and cached"
+        free |= cached
         for block in range(self.num_blocks):
             assert (block in free) == (expected[block] == 0), f"block {block} is both used and free, or neither"
+        for block in self._evictable:
+            assert self.block_hash[block] is not None, f"cached block {block} has no prefix key"
+        for block in self._free:
+            assert self.block_hash[block] is None, f"plain free block {block} still has a prefix key"
+        for key, block in self._by_hash.items():
+            assert self.block_hash[block] == key, f"prefix index disagrees with block {block}"
+        assert sum(1 for h in self.block_hash if h is not None) == len(self._by_hash), "stray prefix keys"

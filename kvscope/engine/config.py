@@ -8,7 +8,8 @@ from typing import Any
 from kvscope.engine.errors import KvscopeError
 
 MODES = ("naive", "static", "continuous", "chunked")
-POLICIES = ("fcfs",)
+POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.md)
+PREEMPTION_MODES = ("recompute", "swap")
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 
 
@@ -27,7 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's limit, capped by the KV cache
     seed: int = 0
     prefix_caching: bool = False
-    preemption: str = "recompute"
+    preemption: str = "recompute"  # or "swap": victims' KV is copied to a CPU pool and back
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption="swap")
     cpu_threads: int | None = None  # torch threads on CPU; None: half the cores, leaving room for watchers
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
@@ -41,12 +43,20 @@ class EngineConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise KvscopeError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
-        if self.policy not in POLICIES:
-            raise KvscopeError(f"unknown policy {self.policy!r} (choose from {', '.join(POLICIES)})")
+        if not isinstance(self.policy, str):
+            raise KvscopeError(f"policy must be a name or 'module:Class', got {self.policy!r}")
+        from kvscope.engine.policies import load_policy
+
+        load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
         if self.backend not in BACKENDS:
             raise KvscopeError(f"unknown backend {self.backend!r} (choose from {', '.join(BACKENDS)})")
-        if self.preemption != "recompute":
-            raise KvscopeError(f"unknown preemption mode {self.preemption!r} (only 'recompute' so far)")
+        if self.preemption not in PREEMPTION_MODES:
+            raise KvscopeError(
+                f"unknown preemption mode {self.preemption!r} (choose from {', '.join(PREEMPTION_MODES)})")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
+            raise KvscopeError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise KvscopeError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -66,8 +76,6 @@ class EngineConfig:
             from kvscope.engine.sim.backend import validate_sim_config
 
             validate_sim_config(self)
-        if self.prefix_caching:
-            raise KvscopeError("prefix caching is not implemented yet")
 
     @property
     def effective_max_num_seqs(self) -> int:

@@ -18,6 +18,7 @@ from kvscope.engine.models import load_model
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.swap import KvSwapper
 from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
 
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV budget on CPU when num_blocks is not given
@@ -72,8 +73,9 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.num_blocks or self._auto_num_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching)
+        num_cpu_blocks = self._num_swap_blocks() if config.preemption == "swap" else 0
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
         self.runner = self.sim.runner if self.sim else ModelRunner(
             self.loaded, device=self.device, dtype=self.dtype, num_blocks=num_blocks,
             block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
@@ -81,6 +83,9 @@ class LLMEngine:
         )
         if self.sim is None and self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(config.effective_max_num_seqs, self.max_model_len)
+        # swap-out / copy-on-write / swap-in copies, applied before each forward
+        self.swapper = (self.sim.swapper(num_cpu_blocks) if self.sim
+                        else KvSwapper(self.runner.kv_cache, num_cpu_blocks))
         self.sink: EventSink | None = None
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
@@ -117,6 +122,12 @@ class LLMEngine:
         else:
             budget = CPU_KV_CACHE_BYTES
         return max(1, budget // per_block)
+
+    def _num_swap_blocks(self) -> int:
+        if self.sim is not None:
+            return self.sim.num_swap_blocks(self.config.block_size)
+        per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
+        return int(self.config.swap_space * (1 << 30)) // per_block
 
     def _max_model_len(self, capacity_tokens: int) -> int:
         limit = self.loaded.max_position_embeddings
@@ -193,6 +204,8 @@ class LLMEngine:
         sched = self.scheduler
         t_start = self.now()
         out = sched.schedule(t_start)
+        if out.has_copies:
+            self.swapper.apply(out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         params = {s.req_id: sched.requests[s.req_id].params for s in out.seqs}
         sampled = self.runner.run(out, params)
         t_end = self.now()
@@ -200,7 +213,7 @@ class LLMEngine:
         finished = sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
         self.num_preemptions += len(out.preempted)
         deltas = self.block_manager.drain_deltas()
-        kv = self.block_manager.counters()
+        kv = sched.kv_counters()
         allocated = kv.used * self.config.block_size
         if allocated:
             self._waste_sum += (kv.tail_waste + kv.reserve_waste) / allocated

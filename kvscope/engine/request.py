@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted with its KV copied to the CPU swap pool
     FINISHED = "finished"
 
 
@@ -26,6 +27,7 @@ class RequestMetrics:
     num_preemptions: int
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
 
     @property
     def tpot(self) -> float | None:
@@ -45,6 +47,9 @@ class Request:
     num_computed_tokens: int = 0
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemptions
+    arrival_step: int = 0  # scheduler step at which it was added (policies age by it)
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
@@ -102,4 +107,5 @@ class Request:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -11,7 +11,14 @@ settings of this one scheduler:
               such a prefill step runs before any decode (prefill first).
 - chunked:    decodes first, then prefill chunks, all within max_num_batched_tokens.
 
-When blocks run out, the newest running request is preempted by recompute.
+Policies (kvscope.engine.policies) order WAITING and pick preemption victims:
+admission is head-of-line in the policy's order. When blocks run out, the policy's
+victim (FCFS: the newest running request) is preempted by recompute, or with
+``preemption="swap"`` its computed KV is copied to a CPU pool (state SWAPPED) and
+copied back when it reaches the head of WAITING again. Each step serves, within
+the token budget: running decodes, running prefill chunks, then WAITING in policy
+order, where the head is either swapped in or admitted (with prefix caching, a new
+request starts after its cached prefix).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from collections import deque
 
 from kvscope.engine.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.errors import KvscopeError
+from kvscope.engine.policies import Policy, load_policy
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvscope.engine.swap import CpuBlockPool
 from kvscope.protocol.events import (
     BLOCKED_BUDGET,
     BLOCKED_KV,
@@ -31,27 +41,36 @@ from kvscope.protocol.events import (
     VERDICT_BLOCKED,
     VERDICT_IDLE,
     Admission,
+    KvCounters,
 )
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 num_cpu_blocks: int = 0) -> None:
         self.config = config
         self.mode = config.mode
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = config.effective_max_num_seqs
         self.budget = config.max_num_batched_tokens
-        self.waiting: deque[Request] = deque()  # preempted requests sit at the front
+        self.policy = load_policy(config.policy)
+        self._reorders = type(self.policy).order is not Policy.order
+        # preempted requests sit at the front (FCFS), swapped ones too (status SWAPPED)
+        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: newest last
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self._finished_since_last: list[int] = []
         self._static_prefilled = False
+        self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == "swap" else None
+        self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
 
     # ---- queue management ----------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.req_id] = request
+        request.arrival_step = self.step_count + 1  # the first step that can serve it
+        self.policy.on_arrival(request, request.arrival_step)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -61,14 +80,53 @@ class Scheduler:
     def preempted(self) -> list[Request]:
         return [r for r in self.waiting if r.status is RequestStatus.PREEMPTED]
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    @property
+    def swapped(self) -> list[Request]:
+        return [r for r in self.waiting if r.status is RequestStatus.SWAPPED]
+
+    def kv_counters(self) -> KvCounters:
+        kv = self.bm.counters()
+        if self.swap_pool is not None:
+            kv.swap_total = self.swap_pool.num_blocks
+            kv.swap_used = self.swap_pool.num_used
+        return kv
+
+    def _reorder(self) -> None:
+        """Put WAITING in the policy's order (FCFS: untouched)."""
+        if not self._reorders or len(self.waiting) < 2:
+            return
+        ordered = self.policy.order(list(self.waiting), self.step_count)
+        if len(ordered) != len(self.waiting) or {r.req_id for r in ordered} != {r.req_id for r in self.waiting}:
+            raise KvscopeError(f"policy {self.config.policy!r}: order() must return the same requests it was given")
+        self.waiting = deque(ordered)
+
+    def _pick(self, chosen: Request | None, what: str) -> Request | None:
+        if chosen is not None and chosen not in self.running:
+            raise KvscopeError(f"policy {self.config.policy!r}: {what}() must return a running request")
+        return chosen
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, reason: str = BLOCKED_KV) -> None:
         self.running.remove(victim)
+        mode = "recompute"
+        pool = self.swap_pool
+        keep = blocks_needed(victim.num_computed_tokens, self.bm.block_size)
+        # A request admitted this step may still wait on a copy-on-write copy: recompute it.
+        if pool is not None and keep and pool.can_hold(keep) and victim.req_id not in out.admitted:
+            mode = "swap"
+            out.blocks_to_swap_out.extend(pool.swap_out(victim.req_id, self.bm.table(victim.req_id)[:keep]))
+            out.swaps.append((victim.req_id, "out", keep))
+            victim.status = RequestStatus.SWAPPED
+        else:
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_recomputed_tokens += victim.num_computed_tokens
+            self.num_recomputed_tokens += victim.num_computed_tokens
+            victim.num_computed_tokens = 0  # recompute: prompt and outputs are prefilled again
         self.bm.free(victim.req_id)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0  # recompute: prompt and outputs are prefilled again
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
+        self._reorder()
         out.preempted.append(victim.req_id)
+        out.preemptions.append((victim.req_id, reason, mode))
         out.drop(victim.req_id)
 
     def _admit(self, request: Request, now: float) -> None:
@@ -96,18 +154,20 @@ class Scheduler:
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count, budget=self.budget, finished_req_ids=self._finished_since_last)
         self._finished_since_last = []
+        self._reorder()
         if self.mode == "static":
             self._schedule_static(out, now)
         elif self.mode == "chunked":
             self._schedule_chunked(out, now)
         else:
             self._schedule_prefill_first(out, now)
+        out.blocks_to_copy = self.bm.pop_copies()
         return out
 
     def _grow_or_preempt(self, req: Request, total_tokens: int, out: SchedulerOutput) -> bool:
         """Find blocks for req by preempting the newest running requests; False if req itself was the victim."""
         while not self.bm.grow(req.req_id, total_tokens):
-            victim = self.running[-1]
+            victim = self._pick(self.policy.victim(list(self.running), req), "victim")
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -126,20 +186,63 @@ class Scheduler:
             reason = BLOCKED_KV
         return Admission(VERDICT_BLOCKED, reason, head.req_id)
 
+    def _preempt_for(self, head: Request, out: SchedulerOutput) -> bool:
+        """Let the blocked head of WAITING preempt a running request if the policy allows it."""
+        if not self.running:
+            return False
+        victim = self._pick(self.policy.arrival_victim(head, list(self.running)), "arrival_victim")
+        if victim is None:
+            return False
+        self._preempt(victim, out, reason="priority")
+        return True
+
+    def _cached_prefix(self, head: Request) -> tuple[list[int], int]:
+        """(hit blocks, tokens already computed) for the head of WAITING."""
+        if head.status is RequestStatus.SWAPPED or not self.bm.enable_caching:
+            return [], head.num_computed_tokens
+        hits = self.bm.match_prefix(head.token_ids)
+        # Always compute at least the last token: its logits give the next sample.
+        computed = min(len(hits) * self.bm.block_size, head.num_tokens - 1)
+        return hits[: blocks_needed(computed, self.bm.block_size)], computed
+
     def _admit_waiting(self, out: SchedulerOutput, now: float, budget_left: int, whole_prompts: bool) -> int:
-        """Admit from the head of WAITING, in order, while seqs, budget and blocks allow."""
+        """Swap in or admit from the head of WAITING, in order, while seqs, budget and blocks allow."""
         admitted_any = False
-        while self.waiting and len(self.running) < self.max_num_seqs and budget_left > 0:
+        while self.waiting and budget_left > 0:
             head = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                if self._preempt_for(head, out):
+                    budget_left = self.budget - out.num_tokens
+                    continue
+                break
+            hits, computed = self._cached_prefix(head)
+            left = head.num_tokens - computed
             if whole_prompts:
-                n = head.num_remaining
+                n = left
                 # A prompt larger than the budget still runs when it is alone in the step.
                 if out.seqs and n > budget_left:
                     break
             else:
-                n = min(head.num_remaining, budget_left)
-            if not self.bm.grow(head.req_id, head.num_computed_tokens + n):
+                n = min(left, budget_left)
+            swapped = head.status is RequestStatus.SWAPPED
+            if swapped or not self.bm.enable_caching:
+                ok = self.bm.grow(head.req_id, computed + n)
+            else:
+                ok = self.bm.admit(head.req_id, hits, computed, computed + n)
+            if not ok:
+                if self._preempt_for(head, out):
+                    budget_left = self.budget - out.num_tokens
+                    continue
                 break
+            if swapped:
+                self._swap_in(head, out)
+            elif self.bm.enable_caching:
+                self.bm.record_lookup(head.num_tokens, computed)
+                if head.first_scheduled is None:
+                    head.num_cached_tokens = computed
+                head.num_computed_tokens = computed
+                if computed:
+                    out.hits.append((head.req_id, computed, len(hits)))
             self._admit(head, now)
             self._schedule_tokens(out, head, n)
             budget_left -= n
@@ -149,6 +252,15 @@ class Scheduler:
         if admitted_any and out.admission.verdict == VERDICT_IDLE:
             out.admission = Admission(VERDICT_ADMITTED, None, out.admitted[-1])
         return budget_left
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
+        """req has fresh GPU blocks: copy its KV back from the CPU pool into the first of them."""
+        pool = self.swap_pool
+        table = self.bm.table(req.req_id)
+        k = len(pool.tables[req.req_id])
+        out.blocks_to_swap_in.extend(pool.swap_in(req.req_id, table[:k]))
+        out.swaps.append((req.req_id, "in", k))
+        self.bm.set_filled(req.req_id, req.num_computed_tokens, req.token_ids)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         self._admit_waiting(out, now, self.budget, whole_prompts=True)
@@ -216,7 +328,7 @@ class Scheduler:
         for seq in out.seqs:
             req = self.requests[seq.req_id]
             req.num_computed_tokens += len(seq.token_ids)
-            self.bm.set_filled(req.req_id, req.num_computed_tokens)
+            self.bm.set_filled(req.req_id, req.num_computed_tokens, req.token_ids)
             if seq.is_prefill:
                 req.num_prefill_chunks += 1
             if not seq.sample:

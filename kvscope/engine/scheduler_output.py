@@ -28,6 +28,14 @@ class SchedulerOutput:
     admitted: list[int] = field(default_factory=list)
     finished_req_ids: list[int] = field(default_factory=list)  # released since the previous step
     admission: Admission = field(default_factory=lambda: Admission(VERDICT_IDLE))
+    # (req, reason, mode) for each entry of `preempted`; mode "recompute" or "swap"
+    preemptions: list[tuple[int, str, str]] = field(default_factory=list)
+    # block copies to apply before the forward, in this order (vLLM-style lists):
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    hits: list[tuple[int, int, int]] = field(default_factory=list)  # (req, cached tokens, blocks) at admission
+    swaps: list[tuple[int, str, int]] = field(default_factory=list)  # (req, "out"/"in", blocks)
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs.append(seq)
@@ -43,6 +51,10 @@ class SchedulerOutput:
     @property
     def num_padding_tokens(self) -> int:
         return sum(self.pad_rows)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_copy or self.blocks_to_swap_in)
 
     @property
     def is_empty(self) -> bool:

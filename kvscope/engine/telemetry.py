@@ -17,11 +17,13 @@ from kvscope.protocol.events import (
     ItlSample,
     KvCounters,
     Preemption,
+    PrefixHit,
     RefChange,
     RequestEvent,
     RequestState,
     SnapshotEvent,
     StepEvent,
+    Swap,
 )
 
 
@@ -46,6 +48,7 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
             itl.append(ItlSample(req.req_id, times[-1] - times[-2]))
     waiting = [r.req_id for r in sched.waiting if r.status is RequestStatus.WAITING]
     preempted = [r.req_id for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
+    swapped = [r.req_id for r in sched.waiting if r.status is RequestStatus.SWAPPED]
     return StepEvent(
         step=out.step,
         t=t_start,
@@ -57,8 +60,9 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
         running=[r.req_id for r in sched.running],
         waiting=waiting,
         preempted=preempted,
+        swapped=swapped,
         admission=out.admission,
-        preemptions=[Preemption(r, "kv_blocks", "recompute") for r in out.preempted],
+        preemptions=[Preemption(r, reason, mode) for r, reason, mode in out.preemptions],
         alloc=[BlockAlloc(b, r) for b, r in deltas.alloc],
         freed=list(deltas.freed),
         refs=[RefChange(b, c) for b, c in deltas.refs],
@@ -68,6 +72,8 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
         itl=itl,
         kv=kv,
         dropped=dropped,
+        hits=[PrefixHit(r, tokens, blocks) for r, tokens, blocks in out.hits],
+        swaps=[Swap(r, direction, blocks) for r, direction, blocks in out.swaps],
     )
 
 
@@ -83,6 +89,7 @@ def request_state(req: Request) -> RequestState:
         arrival=req.arrival,
         ttft=req.ttft,
         preemptions=req.num_preemptions,
+        cached_tokens=req.num_cached_tokens,
     )
 
 
@@ -91,8 +98,11 @@ def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> S
     for req_id, table in bm.tables.items():
         for block in table:
             blocks.setdefault(block, BlockOwner(block, req_id, bm.ref_counts[block]))
+    for block in bm.cached_blocks:  # cached: free, refcount 0, still holding a prefix
+        blocks[block] = BlockOwner(block, -1, 0)
     waiting = [r for r in sched.waiting if r.status is RequestStatus.WAITING]
     preempted = [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
+    swapped = [r for r in sched.waiting if r.status is RequestStatus.SWAPPED]
     return SnapshotEvent(
         step=step,
         t=t,
@@ -102,5 +112,6 @@ def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> S
         running=[r.req_id for r in sched.running],
         waiting=[r.req_id for r in waiting],
         preempted=[r.req_id for r in preempted],
-        kv=bm.counters(),
+        swapped=[r.req_id for r in swapped],
+        kv=sched.kv_counters(),
     )

@@ -33,6 +33,8 @@ __all__ = [
     "Finish",
     "ItlSample",
     "KvCounters",
+    "PrefixHit",
+    "Swap",
     "RequestState",
     "BlockOwner",
 ]

@@ -341,6 +341,8 @@ _SCHEMA: dict[type, dict[str, Any]] = {
         "itl": _List(_Rec(E.ItlSample, {"req": _I, "gap": _F})),
         "kv": _KV,
         "dropped": _U,
+        "hits": _List(_Rec(E.PrefixHit, {"req": _I, "tokens": _U, "blocks": _U})),
+        "swaps": _List(_Rec(E.Swap, {"req": _I, "direction": _Str(8, (E.SWAP_OUT, E.SWAP_IN)), "blocks": _U})),
     },
     E.SnapshotEvent: {
         "step": _I,
@@ -359,6 +361,7 @@ _SCHEMA: dict[type, dict[str, Any]] = {
                     "arrival": _F,
                     "ttft": _Opt(_F),
                     "preemptions": _U,
+                    "cached_tokens": _U,
                 },
             )
         ),

@@ -85,6 +85,23 @@ class ItlSample:
 
 
 @dataclass(slots=True)
+class PrefixHit:
+    req: int
+    tokens: int  # prompt tokens found in the prefix cache at admission (not computed)
+    blocks: int  # cached blocks the request now shares or revived
+
+
+@dataclass(slots=True)
+class Swap:
+    req: int
+    direction: str  # SWAP_OUT (KV copied to CPU, request SWAPPED) or SWAP_IN (copied back, RUNNING)
+    blocks: int  # blocks copied
+
+
+SWAP_OUT, SWAP_IN = "out", "in"
+
+
+@dataclass(slots=True)
 class KvCounters:
     total: int = 0  # blocks in the pool
     used: int = 0  # blocks referenced by a live request
@@ -94,6 +111,12 @@ class KvCounters:
     token_slots: int = 0  # slots holding a computed token
     tail_waste: int = 0  # empty slots in partly filled last blocks
     reserve_waste: int = 0  # empty slots in whole blocks reserved ahead (static/naive reservation)
+    # added with prefix caching and swapping (older streams decode them as 0)
+    swap_total: int = 0  # blocks in the CPU swap pool (preemption mode "swap")
+    swap_used: int = 0  # CPU swap blocks holding a swapped-out request's KV
+    hit_tokens: int = 0  # prompt tokens served from the prefix cache, since start
+    query_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    cow_copies: int = 0  # shared blocks copied before a write (copy-on-write), since start
 
 
 @dataclass(slots=True)
@@ -145,6 +168,9 @@ class StepEvent:
     itl: list[ItlSample] = field(default_factory=list)
     kv: KvCounters = field(default_factory=KvCounters)
     dropped: int = 0  # events lost by the publisher since the previous step
+    # added with prefix caching and swapping (optional: older streams omit them)
+    hits: list[PrefixHit] = field(default_factory=list)  # prefix-cache hits of requests admitted this step
+    swaps: list[Swap] = field(default_factory=list)  # swaps out (with a "swap" preemption) and in
     type: str = "step"
 
 
@@ -160,6 +186,7 @@ class RequestState:
     arrival: float
     ttft: float | None
     preemptions: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (added with prefix caching)
 
 
 @dataclass(slots=True)

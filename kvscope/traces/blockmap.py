@@ -27,19 +27,27 @@ def apply_block_deltas(owners: dict[int, int], step: StepEvent, refcounts: dict[
     Deltas are net over the step, so a block freed and handed out again (even to the
     same request, preempted and readmitted in one step) is in both lists, and a block
     allocated and released within the step is in neither.
+
+    Prefix caching: a block whose last RefChange of the step is to 0 stays *cached*,
+    listed with owner -1 and refcount 0 as a snapshot lists it; an ``alloc`` takes a
+    cached block (or one that dropped to 0 during the step) for its request.
     """
     for b in step.freed:
         owners.pop(b, None)
         if refcounts is not None:
             refcounts.pop(b, None)
+    zeroed = {r.block for r in step.refs if r.refcount <= 0}
+    claimed: set[int] = set()
     for a in step.alloc:
-        if a.block not in owners:
-            owners[a.block] = a.req
+        b = a.block
+        if b not in claimed and (b not in owners or owners[b] < 0 or b in zeroed):
+            owners[b] = a.req
+            claimed.add(b)
             if refcounts is not None:
-                refcounts[a.block] = 1
-    if refcounts is not None:
-        for r in step.refs:
-            if r.refcount <= 0:
-                refcounts.pop(r.block, None)
-            else:
-                refcounts[r.block] = r.refcount
+                refcounts[b] = 1
+    final = {r.block: r.refcount for r in step.refs}
+    for b, count in final.items():
+        if count <= 0:
+            owners[b] = -1
+        if refcounts is not None:
+            refcounts[b] = max(0, count)
