@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 import random
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402  (torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kvscope.kernels import reference  # noqa: E402
-from kvscope.kernels.metadata import AttentionMetadata  # noqa: E402
+from kvscope.kernels import testing  # noqa: E402
 
 from kvscope.kernels import triton_attention, triton_decode, triton_kv, triton_prefill  # noqa: E402
 
@@ -26,37 +28,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-4, torch.float16: 2e-2}
 
 
-def make_case(query_lens, seq_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed=0):
-    """Random caches filled at every slot some sequence owns, random (shuffled) block tables, metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    nblocks = [-(-n // block_size) for n in seq_lens]
-    total = sum(nblocks) + 3
-    perm = list(range(total))
-    rng.shuffle(perm)
-    tables, at = [], 0
-    for nb in nblocks:
-        tables.append(perm[at : at + nb])
-        at += nb
-    width = max(nblocks)
-    k_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    slots = []
-    for q, n, t in zip(query_lens, seq_lens, tables):
-        for pos in range(n - q, n):
-            slots.append(t[pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
-        block_size=block_size, query_lens_host=list(query_lens), seq_lens_host=list(seq_lens),
-    )
-    query = torch.randn(qsl[-1], heads, head_dim, generator=gen).to(dtype)
-    return query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta
+def make_case(query_lens, seq_lens, **kw):
+    return testing.make_case(query_lens, seq_lens, device=DEVICE, **kw)
 
 
 def check(actual, expected, dtype):

@@ -102,9 +102,16 @@ class DecodeGraphs:
         self.keep = torch.arange(big, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # One metadata object per size, over views of the static buffers. The split count is fixed for
+        # the longest context (seq_lens_host), since it is baked into the captured launch.
+        self.metas = {b: AttentionMetadata(
+            slot_mapping=self.slots[:b], query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b], block_size=self.block_size, query_lens_host=[1] * b,
+            seq_lens_host=[max_model_len] * b) for b in self.sizes}
 
-    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
-        ctx = attention.ForwardContext(self.runner.kv_cache, meta, self.runner.ops)
+    def forward_static(self, b: int) -> torch.Tensor:
+        """The forward a graph of size b captures: over the static buffers, logits [b, vocab]."""
+        ctx = attention.ForwardContext(self.runner.kv_cache, self.metas[b], self.runner.ops)
         with attention.forward_context(ctx):
             return self.runner.model(input_ids=self.input_ids[:, :b], position_ids=self.positions[:, :b],
                                      use_cache=False, logits_to_keep=self.keep[:b]).logits[0]
@@ -113,16 +120,11 @@ class DecodeGraphs:
     def capture(self) -> None:
         pool = None
         for b in reversed(self.sizes):  # largest first, so the smaller graphs fit in its pool
-            meta = AttentionMetadata(
-                slot_mapping=self.slots[:b], query_start_loc=self.qsl[: b + 1], seq_lens=self.seq_lens[:b],
-                block_tables=self.block_tables[:b], block_size=self.block_size, query_lens_host=[1] * b,
-                seq_lens_host=[self.max_model_len] * b,  # the split count is fixed for the longest context
-            )
-            self._forward(b, meta)  # warm-up: compiles this size's kernels outside the capture
+            self.forward_static(b)  # warm-up: compiles this size's kernels outside the capture
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b, meta)
+                self.logits[b] = self.forward_static(b)
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.runner.device)
@@ -135,6 +137,12 @@ class DecodeGraphs:
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, vocab] of the step's n sequences, in order."""
+        b = self.prepare(out)
+        self.graphs[b].replay()
+        return self.logits[b][: len(out.seqs)]
+
+    def prepare(self, out: SchedulerOutput) -> int:
+        """Copy a decode-only step into the static buffers; returns the captured size it pads to."""
         seqs = out.seqs
         n = len(seqs)
         b = next(size for size in self.sizes if size >= n)
@@ -155,8 +163,7 @@ class DecodeGraphs:
             self.slots[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
         self.block_tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+        return b
 
 
 def try_capture(runner, max_batch: int, max_model_len: int) -> DecodeGraphs | None:
