@@ -1,0 +1,276 @@
+"""Properties of prefix caching, swap preemption and the policies, driven without a model.
+
+A fake runner samples one fixed token; hypothesis draws the cache shape, limits,
+mode, policy, preemption mode, a small CPU swap pool, and requests whose prompts
+share prefixes (so blocks are shared, cached, evicted and copied on write). Every
+step is checked:
+
+- refcounts equal the number of block tables holding each block; a block is free
+  (or cached) exactly when nobody references it, so no shared block is ever freed
+  while referenced;
+- eviction takes only unreferenced blocks (an allocation never takes a block with
+  a refcount);
+- no step writes into a shared or cached block (copy-on-write happened first);
+- the swap pool never leaks: its used blocks are exactly the SWAPPED requests';
+- sjf keeps WAITING sorted by remaining work minus aging, so a request is passed
+  only by requests that arrived within its aging bound;
+- priority preempts only strictly lower priorities for an arrival, and for a block
+  only a priority no higher than the requester's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvscope.engine.block_manager import BlockManager, blocks_needed
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.policies import SJF, remaining_work
+from kvscope.engine.request import Request, RequestStatus
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.scheduler import Scheduler
+
+TOKEN = 7
+PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class CheckedBlockManager(BlockManager):
+    """Asserts, at the moment of allocation, that the block taken is unreferenced."""
+
+    def _take(self, req_id: int) -> int:
+        if not self._free and self._evictable:
+            victim = next(iter(self._evictable))
+            assert self.ref_counts[victim] == 0, "eviction took a referenced block"
+        block = super()._take(req_id)
+        assert self.ref_counts[block] == 1
+        assert sum(block in t for t in self.tables.values()) == 0, "allocated a block still in a table"
+        return block
+
+
+@dataclass
+class Arrival:
+    step: int
+    prefix: int  # which shared prefix (or -1: none)
+    prefix_len: int
+    suffix: list[int]
+    max_tokens: int
+    priority: int
+
+
+@st.composite
+def scenarios(draw, policy: str):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(3, 24))
+    capacity = block_size * num_blocks
+    max_model_len = draw(st.integers(min(4, capacity), capacity))
+    prefixes = [draw(st.lists(st.integers(1, 3), min_size=1, max_size=24)) for _ in range(2)]
+    arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        pre = draw(st.integers(-1, 1))
+        plen = draw(st.integers(0, len(prefixes[pre]))) if pre >= 0 else 0
+        suffix = draw(st.lists(st.integers(1, 3), max_size=12))
+        total = plen + len(suffix)
+        if total == 0:
+            suffix = [1]
+            total = 1
+        if total >= max_model_len:  # the engine rejects these
+            cut = max_model_len - 1
+            if plen > cut:
+                plen, suffix = cut, []
+            else:
+                suffix = suffix[: cut - plen]
+            if plen + len(suffix) == 0:
+                suffix = [1]
+        arrivals.append(Arrival(draw(st.integers(1, 25)), pre, plen, suffix, draw(st.integers(1, 16)),
+                                draw(st.integers(0, 3))))
+    arrivals.sort(key=lambda a: a.step)
+    return dict(
+        policy=policy,
+        mode=draw(st.sampled_from(["continuous", "chunked"])),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=draw(st.integers(1, 6)),
+        budget=draw(st.integers(1, 48)),
+        prefix_caching=draw(st.booleans()),
+        preemption=draw(st.sampled_from(["recompute", "swap"])),
+        cpu_blocks=draw(st.integers(0, 12)),
+        prefixes=prefixes,
+        arrivals=arrivals,
+    )
+
+
+def simulate(sc) -> dict:
+    config = EngineConfig(mode=sc["mode"], block_size=sc["block_size"], num_blocks=sc["num_blocks"],
+                          max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"],
+                          policy=sc["policy"], prefix_caching=sc["prefix_caching"], preemption=sc["preemption"])
+    config.validate()
+    bm = CheckedBlockManager(sc["num_blocks"], sc["block_size"], enable_caching=sc["prefix_caching"])
+    sched = Scheduler(config, bm, sc["max_model_len"], num_cpu_blocks=sc["cpu_blocks"])
+    pool = sched.swap_pool
+    policy = sched.policy
+    stats = dict(arrival_preemptions=0, swaps_out=0, swaps_in=0, hits=0, cow=0)
+
+    # Watch every preemption decision the policy makes.
+    orig_victim, orig_arrival = policy.victim, policy.arrival_victim
+
+    def victim(running, needy):
+        v = orig_victim(running, needy)
+        if sc["policy"] == "priority":
+            assert v.priority <= needy.priority, "a block request preempted a higher priority"
+        return v
+
+    def arrival_victim(head, running):
+        v = orig_arrival(head, running)
+        if v is not None:
+            assert sc["policy"] == "priority", "only the priority policy preempts for an arrival"
+            assert v.priority < head.priority, "priority preempted an equal or higher priority"
+            stats["arrival_preemptions"] += 1
+        return v
+
+    policy.victim, policy.arrival_victim = victim, arrival_victim
+
+    reqs: list[Request] = []
+    pending = list(sc["arrivals"])
+    total = sum(len(a.suffix) + a.prefix_len + a.max_tokens for a in pending)
+    step_limit = pending[-1].step + 6 * total * (len(pending) + 1) + 20
+    step = 0
+    while pending or sched.has_unfinished():
+        step += 1
+        assert step <= step_limit, "no progress (deadlock or livelock)"
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            prompt = (sc["prefixes"][a.prefix][: a.prefix_len] if a.prefix >= 0 else []) + a.suffix
+            req = Request(len(reqs), prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                          arrival=float(step), priority=a.priority)
+            reqs.append(req)
+            sched.add(req)
+        if not sched.has_unfinished():
+            continue
+        out = sched.schedule(float(step))
+        bm.check_invariants()
+        if pool is not None:
+            pool.check_invariants()
+            assert set(pool.tables) == {r.req_id for r in sched.swapped}, "swap pool and SWAPPED disagree"
+        else:
+            assert not sched.swapped
+        stats["swaps_out"] += sum(1 for s in out.swaps if s[1] == "out")
+        stats["swaps_in"] += sum(1 for s in out.swaps if s[1] == "in")
+        stats["hits"] += len(out.hits)
+        stats["cow"] += len(out.blocks_to_copy)
+        if not sc["prefix_caching"]:
+            assert not out.hits and not out.blocks_to_copy and bm.num_cached == 0
+        if sc["mode"] == "chunked":
+            assert out.num_tokens <= sc["budget"]
+        bs = sc["block_size"]
+        for s in out.seqs:
+            req = sched.requests[s.req_id]
+            assert req.status is RequestStatus.RUNNING and s.start_pos == req.num_computed_tokens
+            assert s.block_table == bm.table(s.req_id)
+            for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                block = s.block_table[pos // bs]
+                assert bm.ref_counts[block] == 1, "a write into a shared block (copy-on-write missing)"
+                assert bm.block_hash[block] is None, "a write into a cached prefix block"
+        for src, dst in out.blocks_to_copy:
+            assert bm.block_hash[src] is not None and bm.ref_counts[dst] == 1
+        for r, direction, n in out.swaps:
+            if direction == "out":
+                assert sched.requests[r].status in (RequestStatus.SWAPPED, RequestStatus.RUNNING)
+        for gpu, cpu in out.blocks_to_swap_out:
+            assert 0 <= cpu < pool.num_blocks
+        if sc["policy"] == "sjf":
+            keys = [policy.score(r, sched.step_count) for r in sched.waiting]
+            assert keys == sorted(keys), "sjf: WAITING is not in score order"
+            # the aging bound: r is never behind a request that arrived more than w(r)/aging steps later
+            waiting = list(sched.waiting)
+            for i, r in enumerate(waiting):
+                for q in waiting[:i]:
+                    assert q.arrival_step - r.arrival_step <= remaining_work(r) / SJF.aging, "sjf starved a request"
+        if sc["policy"] == "priority":
+            prios = [r.priority for r in sched.waiting]
+            assert prios == sorted(prios, reverse=True), "priority: WAITING not highest first"
+        sched.update(out, {s.req_id: TOKEN for s in out.seqs if s.sample}, float(step), frozenset())
+        bm.check_invariants()
+
+    assert bm.num_free == bm.num_blocks and not bm.tables and not sched.requests
+    assert bm.num_used == 0
+    if pool is not None:
+        assert pool.num_used == 0 and not pool.tables, "swap pool leaked"
+        assert pool.blocks_out == pool.blocks_in
+    for req in reqs:
+        assert req.status is RequestStatus.FINISHED
+        assert req.output_token_ids == [TOKEN] * req.num_output_tokens
+        assert req.num_output_tokens == min(req.params.max_tokens, sc["max_model_len"] - req.num_prompt_tokens)
+    return stats
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sjf", "priority"])
+@PROPS
+@given(data=st.data())
+def test_feature_properties(policy, data):
+    simulate(data.draw(scenarios(policy)))
+
+
+def _fixed(policy="fcfs", **over):
+    sc = dict(policy=policy, mode="chunked", block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=4,
+              budget=32, prefix_caching=True, preemption="swap", cpu_blocks=16,
+              prefixes=[[1, 2, 3, 1, 2, 3, 1, 2], [3, 3, 3, 3]],
+              arrivals=[Arrival(1, 0, 8, [1, 2, 3, 1], 10, 0), Arrival(1, 0, 8, [2], 10, 0),
+                        Arrival(4, 0, 8, [], 10, 0), Arrival(6, 1, 4, [2, 2], 10, 3)])
+    sc.update(over)
+    return sc
+
+
+def test_fixed_scenario_hits_shares_copies_and_swaps():
+    stats = simulate(_fixed())
+    assert stats["hits"] >= 1 and stats["cow"] >= 1, stats
+    assert stats["swaps_out"] >= 1 and stats["swaps_out"] == stats["swaps_in"], stats
+
+
+def test_fixed_scenario_priority_preempts_for_arrival():
+    stats = simulate(_fixed("priority", num_blocks=6, max_num_seqs=2, preemption="recompute"))
+    assert stats["arrival_preemptions"] >= 1
+
+
+def test_lru_eviction_order_and_revival():
+    bm = BlockManager(4, 2, enable_caching=True)
+    for r, toks in enumerate(([1, 2], [3, 4])):
+        assert bm.admit(r, [], 0, 2)
+        bm.set_filled(r, 2, toks)
+    bm.free(0)
+    bm.free(1)
+    assert bm.num_cached == 2 and bm.num_free == 4
+    assert len(bm.match_prefix([1, 2, 9])) == 1
+    hits = bm.match_prefix([3, 4, 5])
+    assert len(hits) == 1
+    assert bm.admit(2, hits, 2, 3)  # revives the [3, 4] block, adds one more
+    assert bm.ref_counts[hits[0]] == 1 and bm.num_cached == 1
+    bm.drain_deltas()  # a step boundary
+    # two more blocks: one plain free block, then the least recently released cached one ([1, 2])
+    assert bm.grow(3, 4)
+    assert bm.num_cached == 0 and bm.evictions == 1
+    assert bm.match_prefix([1, 2]) == []
+    bm.check_invariants()
+    deltas = bm.drain_deltas()
+    evicted = [b for b, _ in deltas.alloc if b in deltas.freed]
+    assert len(evicted) == 1, "an evicted cached block leaves the cache through freed (and is reused)"
+
+
+def test_full_prompt_hit_copies_the_last_block():
+    bm = BlockManager(6, 4, enable_caching=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert bm.admit(0, [], 0, 8)
+    bm.set_filled(0, 8, prompt)
+    hits = bm.match_prefix(prompt)
+    assert len(hits) == 2
+    # computed = 7: the write of token 8 lands in the second block, which is copied
+    assert bm.admit(1, hits, 7, 8)
+    t0, t1 = bm.table(0), bm.table(1)
+    assert t1[0] == t0[0] and t1[1] != t0[1]
+    assert bm.pop_copies() == [(t0[1], t1[1])] and bm.cow_copies == 1
+    assert bm.ref_counts[t0[0]] == 2 and bm.ref_counts[t0[1]] == 1
+    bm.check_invariants()
+    assert blocks_needed(8, 4) == 2
