@@ -23,7 +23,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     g.add_argument("--mode", default="chunked", help="naive, static, continuous or chunked (default: chunked)")
-    g.add_argument("--policy", default="fcfs", help="scheduling policy (default: fcfs)")
+    g.add_argument("--policy", default="fcfs",
+                   help="fcfs, sjf, priority, or module:Class for your own (docs/POLICIES.md; default: fcfs)")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share KV blocks of common prompt prefixes (default: off)")
+    g.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request loses: recompute its KV, or swap it to CPU (default: recompute)")
+    g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                   help="CPU memory for swapped-out KV, in GiB (default: 4)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -43,6 +50,7 @@ def _engine_config(args: argparse.Namespace, **overrides):
                     block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                     seed=args.seed, cpu_threads=args.cpu_threads)
+    settings.update(prefix_caching=args.prefix_caching, preemption=args.preemption, swap_space=args.swap_space)
     settings.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     settings.update(overrides)
     return EngineConfig(**settings)
