@@ -39,6 +39,15 @@ def test_greedy_on_triton_kernels_matches_transformers(tiny_ref):
     assert [o.token_ids for o in outs] == tiny_ref.greedy_all(prompts, 6)
 
 
+def test_selection_triton_on_cuda_references_elsewhere():
+    from kvscope.kernels import reference, select_attention_ops
+
+    assert select_attention_ops("cpu").paged_attention is reference.paged_attention
+    cuda = select_attention_ops("cuda")
+    assert cuda.name == "triton" and cuda.write_kv is triton_attention.write_kv
+    assert LLM("tiny", device="cpu", num_blocks=8).engine.runner.ops.name == "torch-reference"
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]

@@ -174,6 +174,11 @@ def try_capture(runner, max_batch: int, max_model_len: int) -> DecodeGraphs | No
     except Exception as e:  # a model op that cannot be captured must not stop the engine
         print(f"kvscope: CUDA graph capture failed, decode steps run eagerly ({type(e).__name__}: {e})",
               file=sys.stderr)
-        torch.cuda.synchronize(runner.device)
+        graphs.graphs.clear()
+        graphs.logits.clear()
+        try:
+            torch.cuda.synchronize(runner.device)
+        except Exception:  # an error left on the stream by the failed capture; the next step would show it
+            pass
         return None
     return graphs
