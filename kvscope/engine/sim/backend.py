@@ -78,6 +78,12 @@ class SimBackend:
                                f"{need:.1f} GiB of weights per GPU, {have:.1f} GiB usable; raise --tp")
         return n
 
+    def num_swap_blocks(self, block_size: int) -> int:
+        return int(self.config.swap_space * catalog.GiB // (self.cost.kv_bytes_per_token * block_size))
+
+    def swapper(self, num_cpu_blocks: int) -> "SimSwapper":
+        return SimSwapper(self.cost, self.clock, self.config.block_size)
+
     def hello_info(self) -> dict:
         c = self.cost
         return {
@@ -90,3 +96,38 @@ class SimBackend:
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "sim_efficiency": c.eff.to_dict(),
         }
+
+
+class SimSwapper:
+    """Bills swap and copy-on-write block copies on the virtual clock: swaps cross the host link
+    (PCIe), copy-on-write copies read and write HBM."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock, block_size: int) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.block_bytes = cost.kv_bytes_per_token * block_size
+        self.blocks_copied = 0
+
+    def apply(self, swap_out, copies, swap_in) -> None:
+        gpu = self.cost.gpu
+        host = (len(swap_out) + len(swap_in)) * self.block_bytes / gpu.host_bw
+        local = 2 * len(copies) * self.block_bytes / (gpu.memory_bw * self.cost.eff.eff_bw)
+        self.blocks_copied += len(swap_out) + len(swap_in) + len(copies)
+        self.clock.advance(host + local)
+
+
+def load_efficiency(path: str) -> dict:
+    """Efficiencies from a `kvscope calibrate --json` file (its "efficiency" key) or a plain JSON object."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise KvscopeError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise KvscopeError(f"invalid JSON in {path}: {e}") from None
+    eff = obj.get("efficiency", obj) if isinstance(obj, dict) else None
+    if not isinstance(eff, dict):
+        raise KvscopeError(f"{path} holds no efficiency object")
+    return eff

@@ -28,6 +28,7 @@ class GPU:
     matrix_rate: dict[str, float]  # dense matrix FLOP/s by dtype; a dtype it lacks falls back to bf16
     interconnect_bw: float  # bytes/s per direction to peers (tensor parallel all-reduce)
     source: str
+    host_bw: float = 64 * 1e9  # bytes/s per direction to host memory (swap); PCIe Gen5 x16 unless noted
     note: str = ""
 
     def rate(self, dtype: str) -> float:
@@ -110,15 +111,16 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         note="DESIGN.md measured device-to-device copy at about 4.2 TB/s (read + write) on one H200"),
     GPU("a100-80gb", 80 * GiB, 2.039 * TB, {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}, 300 * GB,
         source=_NV.format("A100 Tensor Core GPU (SXM4 80GB)") + ": 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
-        "dense (624 sparse), no FP8, NVLink 600 GB/s bidirectional. https://www.nvidia.com/en-us/data-center/a100/"),
+        "dense (624 sparse), no FP8, NVLink 600 GB/s bidirectional, PCIe Gen4. "
+        "https://www.nvidia.com/en-us/data-center/a100/", host_bw=32 * GB),
     GPU("l4", 24 * GB, 300 * GB, {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242.5 * TFLOPS}, 32 * GB,
         source=_NV.format("L4 Tensor Core GPU") + ": 24 GB GDDR6, 300 GB/s, BF16 242 / FP8 485 TFLOPS with "
         "sparsity (halved here); no NVLink, PCIe Gen4 x16 64 GB/s bidirectional. "
-        "https://www.nvidia.com/en-us/data-center/l4/"),
+        "https://www.nvidia.com/en-us/data-center/l4/", host_bw=32 * GB),
     GPU("cpu", 16 * GiB, 20 * GB, {"fp32": 50 * 1e9, "bf16": 50 * 1e9}, 0.0,
         source="nominal figures for a small x86 host (two-channel DDR4, a few AVX2 cores); a starting point "
         "only: `kvscope calibrate` on a CPU trace replaces the efficiencies and overhead",
-        note="the device of the CPU-recorded traces (traces/demo-cpu.kvtrace)"),
+        host_bw=20 * GB, note="the device of the CPU-recorded traces (traces/demo-cpu.kvtrace)"),
 )}
 
 

@@ -1,0 +1,249 @@
+"""The sim bench: `kvscope bench --backend sim` and the presets `lesson` and `fragmentation`.
+
+The rows have the same JSON shape as the model backend's bench (kvscope/bench.py);
+the run is timed on the wall clock too, to report simulated steps per second.
+Presets live in bench/presets/<name>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from random import Random
+
+from kvscope.engine.config import EngineConfig
+
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "presets")
+PRESETS = ("lesson", "fragmentation")
+
+
+def preset_path(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    path = os.path.normpath(os.path.join(PRESET_DIR, f"{name}.json"))
+    if not os.path.isfile(path):
+        raise ValueError(f"unknown bench preset {name!r} (choose from {', '.join(PRESETS)} or a .json file)")
+    return path
+
+
+def load_preset(name: str) -> dict:
+    with open(preset_path(name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---- the four modes on the sim -------------------------------------------------------------
+def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_prompt_len: int | None,
+                 keep_arrivals: bool = False):
+    from kvscope.engine import workload as wl
+    from kvscope.engine.llm_engine import LLMEngine
+
+    probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
+    vocab = probe.loaded.vocab_size
+    items = wl.generate(spec, vocab_size=vocab, num_requests=num_requests, seed=config.seed,
+                        max_prompt_len=max_prompt_len, reserved_ids=1)
+    return items if keep_arrivals else [replace(item, arrival=0.0) for item in items]
+
+
+def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> list[dict]:
+    from kvscope.bench import _row, run_mode
+
+    rows = []
+    for mode in modes:
+        log(f"[bench sim] {mode} ...", file=sys.stderr)
+        wall = time.perf_counter()
+        engine, server = run_mode(replace(config, mode=mode), items)
+        wall = time.perf_counter() - wall
+        steps = engine.scheduler.step_count
+        rows.append(_row(mode, server.metrics, engine.num_preemptions, engine.mean_kv_waste, {
+            "steps": steps, "ttft_p50_s": server.summary().ttft_p50_s, "itl_p50_s": server.summary().itl_p50_s,
+            "num_blocks": engine.num_blocks, "sim_wall_s": wall, "sim_steps_per_s": steps / wall if wall else None,
+        }))
+    return rows
+
+
+def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None, modes: list[str] | None = None,
+                  max_prompt_len: int | None = None, log=print) -> dict:
+    modes = modes or ["naive", "static", "continuous", "chunked"]
+    items = sim_workload(config, spec, num_requests, max_prompt_len)
+    wall = time.perf_counter()
+    rows = run_sim_modes(config, items, modes, log)
+    wall = time.perf_counter() - wall
+    from kvscope.engine.llm_engine import LLMEngine
+
+    hello = LLMEngine(config).hello().config
+    steps = sum(r["steps"] for r in rows)
+    return {
+        "workload": spec.name,
+        "model": config.model,
+        "device": hello["device"],
+        "num_requests": len(items),
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_prompt_len": max_prompt_len,
+        "host": {"python": platform.python_version()},
+        "backend": "sim",
+        "sim": {k: hello[k] for k in ("gpu", "sim_model", "tp", "kv_cache_dtype", "weight_dtype",
+                                      "gpu_memory_utilization", "sim_efficiency", "num_blocks", "max_model_len")},
+        "sim_speed": {"steps": steps, "wall_s": wall, "steps_per_s": steps / wall if wall else None},
+        "rows": rows,
+    }
+
+
+def run_lesson(preset: dict, overrides: dict | None = None, log=print) -> dict:
+    from kvscope.engine import workload as wl
+
+    config = EngineConfig(**{**preset["engine"], **(overrides or {})})
+    spec = wl.parse_spec(preset["workload"])
+    result = run_sim_bench(config, spec, modes=preset.get("modes"), log=log)
+    result["preset"] = "lesson"
+    result["reference"] = preset.get("reference")
+    result["comparison"] = compare_to_reference(result["rows"], preset.get("reference") or {})
+    return result
+
+
+def compare_to_reference(rows: list[dict], ref: dict) -> dict:
+    """Mode ratios, the sim's against the lesson's (ratios are what the issue asks to reproduce)."""
+    by = {r["name"]: r for r in rows}
+    out: dict = {"throughput_ratios": {}, "itl_p99_ratio": None, "ordering_sim": None, "ordering_ref": None}
+    tps = ref.get("output_tok_per_s", {})
+    for a, b in (("chunked", "continuous"), ("continuous", "naive"), ("chunked", "naive")):
+        if a in by and b in by and a in tps and b in tps and by[b]["output_tok_per_s"]:
+            sim = by[a]["output_tok_per_s"] / by[b]["output_tok_per_s"]
+            lesson = tps[a] / tps[b]
+            out["throughput_ratios"][f"{a}/{b}"] = {"sim": sim, "lesson": lesson, "rel_diff": sim / lesson - 1}
+    itl = ref.get("itl_p99_s", {})
+    if all(m in by and by[m]["itl_p99_s"] for m in ("continuous", "chunked")) and itl:
+        sim = by["continuous"]["itl_p99_s"] / by["chunked"]["itl_p99_s"]
+        lesson = itl["continuous"] / itl["chunked"]
+        out["itl_p99_ratio"] = {"continuous/chunked": {"sim": sim, "lesson": lesson, "rel_diff": sim / lesson - 1}}
+    ranked = [m for m in tps if m in by]
+    out["ordering_ref"] = sorted(ranked, key=lambda m: tps[m])
+    out["ordering_sim"] = sorted(ranked, key=lambda m: by[m]["output_tok_per_s"])
+    return out
+
+
+def print_comparison(result: dict) -> None:
+    comp = result.get("comparison")
+    if not comp:
+        return
+    print("\nagainst the lesson's figures (ratios between modes):")
+    for name, r in comp["throughput_ratios"].items():
+        print(f"  tok/s {name:22} sim {r['sim']:6.2f}x   lesson {r['lesson']:5.2f}x   ({r['rel_diff']:+.0%})")
+    if comp["itl_p99_ratio"]:
+        for name, r in comp["itl_p99_ratio"].items():
+            print(f"  ITL p99 {name:20} sim {r['sim']:6.2f}x   lesson {r['lesson']:5.2f}x   ({r['rel_diff']:+.0%})")
+    same = comp["ordering_sim"] == comp["ordering_ref"]
+    print(f"  ordering (slowest first): sim {' < '.join(comp['ordering_sim'])}"
+          f" {'(same as the lesson)' if same else '; lesson ' + ' < '.join(comp['ordering_ref'])}")
+    s = result["sim"]
+    print(f"  KV: {s['num_blocks']} blocks x 16 tokens ({s['kv_cache_dtype']}) on {s['gpu']} x{s['tp']}, "
+          f"max_model_len {s['max_model_len']}")
+
+
+def print_speed(result: dict) -> None:
+    sp = result["sim_speed"]
+    virtual = sum(r["duration_s"] for r in result["rows"])
+    print(f"\nsim speed: {sp['steps']} steps in {sp['wall_s']:.2f} s wall = {sp['steps_per_s']:.0f} simulated "
+          f"steps/s; {virtual:.0f} s of simulated serving ({virtual / sp['wall_s']:.0f}x real time)")
+
+
+# ---- fragmentation: reserved vs paged KV --------------------------------------------------
+def run_fragmentation(preset: dict) -> dict:
+    from kvscope.engine.sim import catalog
+    from kvscope.engine.sim.cost import CostModel
+    from kvscope.engine.workload import LengthDist
+
+    dist = LengthDist(**preset["output_len"])
+    rng = Random(f"kvscope.fragmentation/{preset.get('seed', 0)}")
+    n = preset["num_requests"]
+    prompt = preset.get("prompt_tokens", 0)
+    lengths = [prompt + dist.sample(rng) for _ in range(n)]
+    reserve, bs = preset["reserve_tokens"], preset["block_size"]
+    used = sum(lengths)
+    reserved_slots = sum(max(reserve, length) for length in lengths)
+    paged_slots = sum(math.ceil(length / bs) * bs for length in lengths)
+    mean_len = used / n
+    std = math.sqrt(sum((x - mean_len) ** 2 for x in lengths) / n)
+    result = {
+        "preset": "fragmentation",
+        "num_requests": n,
+        "tokens_mean": mean_len,
+        "tokens_std": std,
+        "tokens_max": max(lengths),
+        "reserve_tokens": reserve,
+        "block_size": bs,
+        "reserved": {"slots": reserved_slots, "waste": 1 - used / reserved_slots},
+        "paged": {"slots": paged_slots, "waste": 1 - used / paged_slots,
+                  "waste_tokens_per_request": (paged_slots - used) / n},
+    }
+    sim = preset.get("sim")
+    if sim:
+        shape = catalog.model(sim["model"])
+        per_token = CostModel(catalog.gpu("h100-sxm5"), shape, kv_dtype=sim.get("kv_cache_dtype")).kv_bytes_per_token
+        budget = preset.get("kv_budget_gib", 40) * catalog.GiB
+        capacity = int(budget // per_token)
+        result["bytes"] = {
+            "model": shape.name, "kv_cache_dtype": sim.get("kv_cache_dtype"),
+            "kv_bytes_per_token": per_token,
+            "reserved_gib_per_request": reserve * per_token / catalog.GiB,
+            "reserved_total_gib": reserved_slots * per_token / catalog.GiB,
+            "paged_total_gib": paged_slots * per_token / catalog.GiB,
+            "used_total_gib": used * per_token / catalog.GiB,
+            "kv_budget_gib": budget / catalog.GiB,
+            "concurrent_reserved": capacity // reserve,
+            "concurrent_paged_mean": int(capacity // (paged_slots / n)),
+        }
+    return result
+
+
+def print_fragmentation(r: dict) -> None:
+    print(f"fragmentation: {r['num_requests']} requests, tokens mean {r['tokens_mean']:.0f} std "
+          f"{r['tokens_std']:.0f} max {r['tokens_max']}")
+    print(f"  reserve {r['reserve_tokens']} tokens per request: {r['reserved']['waste']:.1%} of reserved KV unused")
+    print(f"  paged, {r['block_size']}-token blocks:        {r['paged']['waste']:.2%} unused "
+          f"({r['paged']['waste_tokens_per_request']:.1f} tokens per request, the last block's tail)")
+    b = r.get("bytes")
+    if b:
+        print(f"  {b['model']} KV ({b['kv_cache_dtype']}): {b['kv_bytes_per_token'] / 1024:.0f} KiB/token, "
+              f"{b['reserved_gib_per_request']:.2f} GiB reserved per request; all {r['num_requests']}: "
+              f"reserved {b['reserved_total_gib']:.0f} GiB vs paged {b['paged_total_gib']:.0f} GiB "
+              f"(used {b['used_total_gib']:.0f} GiB)")
+        print(f"  in {b['kv_budget_gib']:.0f} GiB of KV: {b['concurrent_reserved']} requests at once reserved vs "
+              f"~{b['concurrent_paged_mean']} paged")
+
+
+# ---- command ---------------------------------------------------------------------------------
+def cmd_bench_sim(args, engine_config, write_json) -> int:
+    """`kvscope bench --backend sim ...` and `kvscope bench --preset NAME`."""
+    from kvscope.bench import print_table
+
+    if args.preset and os.path.splitext(os.path.basename(preset_path(args.preset)))[0] == "fragmentation":
+        result = run_fragmentation(load_preset(args.preset))
+        print_fragmentation(result)
+    elif args.preset:
+        preset = load_preset(args.preset)
+        result = run_lesson(preset, _explicit_engine_overrides(args))
+        print_table(result)
+        print_comparison(result)
+        print_speed(result)
+    else:
+        from kvscope.engine import workload as wl
+
+        spec = wl.load_spec(args.workload)
+        result = run_sim_bench(engine_config, spec, num_requests=args.num_requests, modes=args.modes.split(","))
+        print_table(result)
+        print_speed(result)
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _explicit_engine_overrides(args) -> dict:
+    """Sim flags given on the command line on top of a preset (their argparse defaults are None)."""
+    keys = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
