@@ -41,6 +41,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights, activations and KV (default: 0.9)")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    s = p.add_argument_group("sim backend (docs/SIM.md); --model then names a catalog shape, e.g. llama-3.3-70b-fp8")
+    s.add_argument("--backend", default="model", choices=["model", "sim"],
+                   help="model: run the network; sim: a cost model of --gpu on a virtual clock (default: model)")
+    s.add_argument("--gpu", default=None, help="sim: h100-sxm5, h200, a100-80gb, l4 or cpu (default: h100-sxm5)")
+    s.add_argument("--tp", type=int, default=None, help="sim: tensor-parallel degree (default: 1)")
+    s.add_argument("--kv-cache-dtype", default=None, help="sim: auto, bf16, fp16, fp8 or fp32 (default: auto)")
+    s.add_argument("--sim-efficiency", metavar="FILE", default=None,
+                   help="sim: efficiencies and overhead from `kvscope calibrate --json FILE`")
+    s.add_argument("--sim-pace", type=float, default=None, metavar="X",
+                   help="sim: hold virtual time to X x wall time (1: real time, for a live dashboard)")
 
 
 def _engine_config(args: argparse.Namespace, **overrides):
@@ -52,8 +62,21 @@ def _engine_config(args: argparse.Namespace, **overrides):
                     seed=args.seed, cpu_threads=args.cpu_threads)
     settings.update(prefix_caching=args.prefix_caching, preemption=args.preemption, swap_space=args.swap_space)
     settings.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    settings.update(_sim_settings(args))
     settings.update(overrides)
     return EngineConfig(**settings)
+
+
+def _sim_settings(args: argparse.Namespace) -> dict:
+    settings = {"backend": getattr(args, "backend", "model")}
+    for key in ("gpu", "tp", "kv_cache_dtype", "sim_pace"):
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    if getattr(args, "sim_efficiency", None):
+        from kvscope.engine.sim.backend import load_efficiency
+
+        settings["sim_efficiency"] = load_efficiency(args.sim_efficiency)
+    return settings
 
 
 def _workload_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -155,6 +178,11 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvscope.bench import BenchOptions, print_table, run_bench
 
+    if args.backend == "sim" or args.preset:
+        from kvscope.engine.sim.bench import cmd_bench_sim
+
+        return cmd_bench_sim(args, None if args.preset else _engine_config(args), _write_json)
+
     options = BenchOptions(
         workload=args.workload, num_requests=args.num_requests, modes=args.modes.split(","),
         peers=[p for p in args.peers.split(",") if p], events=args.events_overhead,
@@ -185,6 +213,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvscope.tui.launch import run_demo
 
     run_demo(palette=args.palette, device=args.device)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvscope.engine.sim.calibrate import calibrate, format_report
+
+    result = calibrate(args.file, gpu=args.gpu, model=args.sim_model, fit_per_seq=not args.no_per_seq)
+    print(format_report(result))
+    if args.json:
+        _write_json(args.json, result)
     return 0
 
 
@@ -228,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="naive,static,continuous,chunked")
     p.add_argument("--peers", default="hf-static,hf-generate-batch", help="comma list; empty for none")
     p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
+    p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation (bench/presets/)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.set_defaults(func=cmd_bench)
 
@@ -252,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
     p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
     p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("calibrate", help="fit the sim's efficiencies and overhead to a recorded trace")
+    p.add_argument("file")
+    p.add_argument("--gpu", default=None, help="the GPU the trace ran on (default: from the trace; cpu for CPU)")
+    p.add_argument("--sim-model", default=None, help="catalog shape of the trace's model (default: from the trace)")
+    p.add_argument("--no-per-seq", action="store_true", help="fit only efficiencies and the per-step overhead")
+    p.add_argument("--json", metavar="FILE", help="write the fit (usable as --sim-efficiency FILE)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("trace-info", help="describe a .kvtrace file")
     p.add_argument("file")
