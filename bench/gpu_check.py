@@ -10,7 +10,9 @@ timeout keeps what finished:
      "decode": [{"B", "ctx", "ms", "gbps", "sdpa_gbps", "copy_gbps", ...}],
      "e2e": [{"name", "output_tok_per_s", ...}], "trace": ..., "errors": {...}}
 
-Each section runs in its own try/except and records its error instead of stopping.
+Each section runs in its own child process (a CUDA error or an out-of-memory cannot
+spoil the next one) and records its error instead of stopping; a time budget
+(--budget-s) cuts off the rest.
 """
 
 from __future__ import annotations
@@ -298,31 +300,90 @@ class Check:
                 torch.cuda.empty_cache()
 
 
+SECTIONS = ("correctness", "decode", "e2e:chunked", "e2e:hf-static", "e2e:hf-generate-batch")
+
+
+def run_section(args) -> int:
+    """Child mode: one section in this process, its part of the result written to --fragment."""
+    check = Check(args.out, args.dry_run)
+    check.path = args.fragment  # saves (after every row) go to the fragment, which the parent merges
+    check.environment()
+    name = args.section
+    if name == "correctness":
+        check.section(name, check.correctness)
+    elif name == "decode":
+        check.section(name, check.decode_table)
+    elif name.startswith("e2e:"):
+        args.e2e = name.removeprefix("e2e:")
+        check.section(name, lambda: check.e2e(args))
+    else:
+        raise SystemExit(f"unknown section {name!r}")
+    return 1 if check.result["errors"] else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results", help="results folder (default: bench/results)")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, Triton interpreter, tiny model")
-    p.add_argument("--sections", default="correctness,decode,e2e")
-    p.add_argument("--e2e", default="chunked,hf-static,hf-generate-batch", help="e2e rows to run, in order")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list, in order")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting work after this many seconds")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--static-batch", type=int, default=128, help="hf-static batch size (padded generate)")
     p.add_argument("--trace-dir", default="traces")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--fragment", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; use --dry-run for the CPU walk-through", file=sys.stderr)
         return 2
+    if args.section:
+        return run_section(args)
+    # Each section runs in its own process: a CUDA error (or an out-of-memory) in one cannot poison
+    # the CUDA context or the memory of the next, and a hung section is cut off by the time budget.
+    import subprocess
+
+    deadline = time.monotonic() + args.budget_s
     check = Check(args.out, args.dry_run)
     check.section("environment", check.environment)
-    sections = args.sections.split(",")
-    if "correctness" in sections:
-        check.section("correctness", check.correctness)
-    if "decode" in sections:
-        check.section("decode", check.decode_table)
-    if "e2e" in sections:
-        check.section("e2e", lambda: check.e2e(args))
-    log(f"wrote {check.path}; errors: {sorted(check.result['errors']) or 'none'}")
-    return 1 if check.result["errors"] else 0
+    res = check.result
+    for name in [x for x in args.sections.split(",") if x]:
+        left = deadline - time.monotonic()
+        if left < 10:
+            res["errors"][name] = "skipped: out of time budget"
+            log(f"{name}: skipped, out of time")
+            continue
+        log(f"{name} (in a child process, {left:.0f}s left) ...")
+        fragment = os.path.join(args.out, f".gpu-check-{name.replace(':', '-')}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--fragment", fragment,
+               "--out", args.out, "--num-requests", str(args.num_requests),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--static-batch", str(args.static_batch), "--trace-dir", args.trace_dir]
+        if args.dry_run:
+            cmd.append("--dry-run")
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res["seconds"][name] = round(time.perf_counter() - t0, 2)
+        try:
+            with open(fragment) as f:
+                part = json.load(f)
+            os.remove(fragment)
+        except (OSError, ValueError):
+            part = {}
+        for key in ("correctness", "decode", "e2e"):
+            res[key].extend(part.get(key) or [])
+        for key in ("trace", "e2e_workload"):
+            if part.get(key) is not None:
+                res[key] = part[key]
+        res["errors"].update(part.get("errors") or {})
+        if rc != 0 and not part.get("errors"):
+            res["errors"][name] = f"child process ended with {rc}"
+        check.save()
+    log(f"wrote {check.path}; errors: {sorted(res['errors']) or 'none'}")
+    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":

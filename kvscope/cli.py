@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--palette", default="default", choices=["default", "cb"], help="cb: colour-blind safe")
         p.set_defaults(func=func)
 
+    from kvscope import bench_features
+
+    bench_features.add_parser(sub)
+
     p = sub.add_parser("replay", help="replay a recorded .kvtrace file")
     p.add_argument("file")
     p.add_argument("--palette", default="default", choices=["default", "cb"])

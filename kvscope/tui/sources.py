@@ -339,7 +339,7 @@ class ReplayController:
             if type(ev) is StepEvent:
                 self.steps.append(ev.step)
                 self.step_t.append(ev.t + ev.dur)
-                if ev.preemptions:
+                if ev.preemptions or ev.swaps:  # swaps in count too: 'p' finds them
                     self.preempt_steps.append(ev.step)
                 if first_t is None:
                     first_t = ev.t

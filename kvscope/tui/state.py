@@ -103,6 +103,8 @@ class ReqView:
     output_len: int = 0
     ttft: float | None = None
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    swaps: int = 0  # times swapped out to CPU
     chunks_done: int = 0  # prefill chunks in the current prefill pass
     total_chunks: int = 0  # prefill chunks over the request's life
     prefill_target: int = 0  # tokens this prefill pass must compute
@@ -179,6 +181,9 @@ class TuiState:
     rejected_count: int = 0
     rejects: deque = field(default_factory=lambda: deque(maxlen=REJECTS_KEEP))
     preemption_count: int = 0
+    swap_out_count: int = 0  # swaps out to the CPU pool seen
+    swap_in_count: int = 0
+    hit_count: int = 0  # admissions that found a cached prefix
     dropped: int = 0  # events the publisher reported dropped
     local_dropped: int = 0  # events this TUI dropped (backlog overflow)
     gaps: int = 0  # jumps in step numbers
@@ -466,6 +471,18 @@ def _step(state: TuiState, ev: StepEvent) -> None:
             r.prefill_target = r.prompt_len + r.output_len
             state.tables.pop(pe.req, None)
 
+    for h in ev.hits:
+        state.hit_count += 1
+        r = _placeholder(state, h.req)
+        if r.cached_tokens == 0:
+            r.cached_tokens = h.tokens
+    for sw in ev.swaps:
+        if sw.direction == "out":
+            state.swap_out_count += 1
+            _placeholder(state, sw.req).swaps += 1
+        else:
+            state.swap_in_count += 1
+
     _apply_blocks(state, ev)
 
     prefill = decode = 0
@@ -637,6 +654,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
         r.output_len = rs.output_len
         r.ttft = rs.ttft
         r.preemptions = rs.preemptions
+        r.cached_tokens = rs.cached_tokens
         # Decoding once everything but the last sampled token is in the cache.
         r.decoding = rs.output_len > 0 and rs.computed >= rs.prompt_len + rs.output_len - 1
         r.prefill_target = rs.prompt_len + (0 if r.decoding else rs.output_len)

@@ -126,6 +126,10 @@ class BlockMap(StateWidget):
             t.append(f"· shared {kv.shared} ", style=pal.dim)
         if kv.cached:
             t.append(f"· cached {kv.cached} ", style=pal.dim)
+        if kv.query_tokens:
+            t.append(f"· prefix hits {fmt.pct(kv.hit_tokens / kv.query_tokens)} ", style=pal.dim)
+        if kv.swap_total:
+            t.append(f"· swap {kv.swap_used}/{kv.swap_total} ", style=pal.warn if kv.swap_used else pal.dim)
         return t
 
     def render(self) -> Text:

@@ -75,6 +75,10 @@ class RequestSummary(StateWidget):
         done, total = st.chunks(r)
         l2.append(f" prompt {r.prompt_len} · computed {r.computed} · chunks {done}/{total} (life {r.total_chunks})"
                   f" · out {r.output_len}/{r.max_tokens}")
+        if r.cached_tokens:
+            l2.append(f" · prefix hit {r.cached_tokens}")
+        if r.swaps:
+            l2.append(f" · swapped {r.swaps}x", style=pal.warn)
         l3 = Text(no_wrap=True, overflow="ellipsis")
         end = r.end_t if r.end_t is not None else st.t
         l3.append(f" arrival {r.arrival:.3f}s · age {fmt.dur(max(0.0, end - r.arrival))} · ttft {fmt.dur(r.ttft)}")
