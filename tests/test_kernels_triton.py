@@ -65,6 +65,7 @@ DECODE_CASES = [
     (8, 2, 32, 16, [33, 5, 70], 3),  # ratio 4, split-KV with an empty split for the short sequence
     (8, 1, 16, 32, [45, 64, 3], 2),  # ratio 8, block 32
     (4, 1, 64, 16, [19], 4),  # head dim 64, one sequence split four ways
+    (4, 2, 24, 16, [10, 33], 2),  # head dim not a power of two (padded, masked)
 ]
 
 
@@ -94,6 +95,7 @@ PREFILL_CASES = [
     (2, 2, 16, 16, [20], [20]),  # whole prompt, ratio 1, two query tiles
     (4, 1, 16, 16, [9, 13], [30, 13]),  # extend over a cached prefix + a fresh prompt, ratio 4
     (8, 1, 32, 32, [5, 17], [41, 50]),  # ratio 8, block 32
+    (4, 2, 24, 16, [7], [19]),  # head dim not a power of two
 ]
 
 
