@@ -87,3 +87,28 @@ def test_gpu_settings_are_validated(bad):
 
     with pytest.raises(KvscopeError):
         EngineConfig(**bad).validate()
+
+
+def test_kv_budget_arithmetic_with_a_real_dummy_forward(monkeypatch):
+    """kv_cache_budget_bytes on CPU with torch.cuda's memory queries faked: the dummy forward really runs."""
+    from kvscope.engine import cuda_graphs
+    from kvscope.engine.models import load_model
+
+    gib = 1 << 30
+    calls = []
+    fake = dict(synchronize=lambda *a: None, empty_cache=lambda: None, memory_allocated=lambda *a: 3 * gib,
+                reset_peak_memory_stats=lambda *a: calls.append("reset"),
+                max_memory_allocated=lambda *a: 5 * gib, mem_get_info=lambda *a: (70 * gib, 80 * gib))
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    loaded = load_model("tiny", torch.float32, "cpu")
+    budget = cuda_graphs.kv_cache_budget_bytes(
+        loaded, torch.device("cpu"), torch.float32, block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+        gpu_memory_utilization=0.9, cuda_graphs=True)
+    # 0.9 x 80 GiB - 10 GiB resident - 2 GiB activation peak - the graph pool reserve
+    assert budget == int(80 * gib * 0.9) - 10 * gib - 2 * gib - cuda_graphs.GRAPH_MEMORY_RESERVE
+    assert calls == ["reset"]
+    eager = cuda_graphs.kv_cache_budget_bytes(
+        loaded, torch.device("cpu"), torch.float32, block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
+        gpu_memory_utilization=0.1, cuda_graphs=False)
+    assert eager == 0  # less than nothing left: clamped
