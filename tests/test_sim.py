@@ -279,3 +279,11 @@ def test_calibrate_cli_and_efficiency_file(tmp_path, capsys):
     eff = json.loads(bench.read_text())["sim"]["sim_efficiency"]
     assert eff == json.loads(out.read_text())["efficiency"]
     assert main(["bench", "--backend", "sim", "--model", "gpt-9"]) == 2
+
+
+def test_sim_swap_preemption_bills_copies():
+    from kvscope.bench import run_mode
+
+    engine, server = run_mode(_sim_config(preemption="swap", num_blocks=30), _items(16, prompt=60, out=30))
+    assert engine.num_preemptions > 0 and engine.swapper.blocks_copied > 0
+    assert server.summary().requests == 16
