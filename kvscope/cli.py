@@ -219,7 +219,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvscope.engine.sim.calibrate import calibrate, format_report
 
-    result = calibrate(args.file, gpu=args.gpu, model=args.sim_model, fit_per_seq=not args.no_per_seq)
+    result = calibrate(args.file, gpu=args.gpu, model=args.sim_model, fit_per_seq=not args.no_per_seq,
+                       validate_paths=args.validate)
     print(format_report(result))
     if args.json:
         _write_json(args.json, result)
@@ -301,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="the GPU the trace ran on (default: from the trace; cpu for CPU)")
     p.add_argument("--sim-model", default=None, help="catalog shape of the trace's model (default: from the trace)")
     p.add_argument("--no-per-seq", action="store_true", help="fit only efficiencies and the per-step overhead")
+    p.add_argument("--validate", metavar="TRACE", action="append", default=[],
+                   help="also replay another trace of the same setup with the fitted parameters (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write the fit (usable as --sim-efficiency FILE)")
     p.set_defaults(func=cmd_calibrate)
 

@@ -246,31 +246,42 @@ def replay(data: TraceData, config, t_end: float) -> tuple[list[StepEvent], floa
     return [e for e in sink.events if isinstance(e, StepEvent)], wall, engine.scheduler.step_count
 
 
-def calibrate(path: str, gpu: str | None = None, model: str | None = None, fit_per_seq: bool = True) -> dict:
+def _err(a, b):
+    return None if a is None or b is None or b == 0 else (a - b) / b
+
+
+def validate(data: TraceData, gpu: str, model: str, eff: Efficiency) -> dict:
+    """Replay a trace's workload with the given parameters; measured vs simulated throughput and TTFT p50."""
+    measured = run_stats(data.steps, data.requests)
+    t_end = data.steps[-1].t + data.steps[-1].dur
+    sim_steps, wall, nsteps = replay(data, sim_config(data, gpu, model, eff), t_end)
+    simulated = run_stats(sim_steps, data.requests, t_end)
+    return {
+        "measured": measured.__dict__,
+        "simulated": simulated.__dict__,
+        "error": {"output_tok_per_s": _err(simulated.output_tok_per_s, measured.output_tok_per_s),
+                  "ttft_p50_s": _err(simulated.ttft_p50_s, measured.ttft_p50_s)},
+        "sim_speed": {"steps": nsteps, "wall_s": wall, "steps_per_s": nsteps / wall if wall > 0 else None,
+                      "virtual_over_wall": t_end / wall if wall > 0 else None},
+    }
+
+
+def calibrate(path: str, gpu: str | None = None, model: str | None = None, fit_per_seq: bool = True,
+              validate_paths: list[str] | None = None) -> dict:
+    """Fit on path, validate by replaying path (in-sample) and any other traces of the same engine setup."""
     data = read_trace(path)
     gpu, model = resolve_names(data.config, gpu, model)
     cost = CostModel(catalog.gpu(gpu), catalog.model(model))
     f = fit(data, cost, fit_per_seq)
-    measured = run_stats(data.steps, data.requests)
-    t_end = data.steps[-1].t + data.steps[-1].dur
-    sim_steps, wall, nsteps = replay(data, sim_config(data, gpu, model, f.efficiency), t_end)
-    simulated = run_stats(sim_steps, data.requests, t_end)
-
-    def err(a, b):
-        return None if a is None or b is None or b == 0 else (a - b) / b
-
+    own = validate(data, gpu, model, f.efficiency)
     return {
         "trace": path,
         "gpu": gpu,
         "model": model,
         "efficiency": f.efficiency.to_dict(),
         "fit": {"steps": f.steps_used, "rms_s": f.rms_s, "mean_abs_rel_err": f.mean_abs_rel, "r2": f.r2},
-        "measured": measured.__dict__,
-        "simulated": simulated.__dict__,
-        "error": {"output_tok_per_s": err(simulated.output_tok_per_s, measured.output_tok_per_s),
-                  "ttft_p50_s": err(simulated.ttft_p50_s, measured.ttft_p50_s)},
-        "sim_speed": {"steps": nsteps, "wall_s": wall, "steps_per_s": nsteps / wall if wall > 0 else None,
-                      "virtual_over_wall": t_end / wall if wall > 0 else None},
+        **own,
+        "held_out": {p: validate(read_trace(p), gpu, model, f.efficiency) for p in validate_paths or []},
     }
 
 
@@ -299,4 +310,11 @@ def format_report(r: dict) -> str:
         f"  sim: {r['sim_speed']['steps']} steps in {r['sim_speed']['wall_s']:.2f} s wall = "
         f"{r['sim_speed']['steps_per_s']:.0f} steps/s, {r['sim_speed']['virtual_over_wall']:.0f}x real time",
     ]
+    for p, v in r.get("held_out", {}).items():
+        hm, hs = v["measured"], v["simulated"]
+        lines += ["", f"  held out: {p}",
+                  f"  {'out tok/s':12}{hm['output_tok_per_s']:>12.1f}{hs['output_tok_per_s']:>12.1f}"
+                  f"{pct(v['error']['output_tok_per_s']):>9}",
+                  f"  {'TTFT p50':12}{ms(hm['ttft_p50_s']):>12}{ms(hs['ttft_p50_s']):>12}"
+                  f"{pct(v['error']['ttft_p50_s']):>9}"]
     return "\n".join(lines)
