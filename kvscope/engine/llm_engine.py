@@ -151,6 +151,9 @@ class LLMEngine:
                       attention=self.runner.ops.name, preemption_mode=self.config.preemption)
         if self.sim is not None:
             config.update(self.sim.hello_info())
+        else:  # the sim's settings mean nothing to a real run; keep them out of its traces
+            for key in ("gpu", "tp", "kv_cache_dtype", "sim_efficiency", "sim_pace"):
+                config.pop(key, None)
         return HelloEvent(PROTOCOL_VERSION, config, self.wall_start)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
