@@ -287,3 +287,12 @@ def test_sim_swap_preemption_bills_copies():
     engine, server = run_mode(_sim_config(preemption="swap", num_blocks=30), _items(16, prompt=60, out=30))
     assert engine.num_preemptions > 0 and engine.swapper.blocks_copied > 0
     assert server.summary().requests == 16
+
+
+def test_gpu_from_cuda_device_name():
+    assert catalog.gpu_from_device_name("NVIDIA H200") == "h200"
+    assert catalog.gpu_from_device_name("NVIDIA H100 80GB HBM3") == "h100-sxm5"
+    assert catalog.gpu_from_device_name("NVIDIA H100 PCIe") is None
+    assert catalog.gpu_from_device_name("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert catalog.gpu_from_device_name("NVIDIA L4") == "l4"
+    assert catalog.gpu_from_device_name(None) is None

@@ -154,6 +154,8 @@ class LLMEngine:
         else:  # the sim's settings mean nothing to a real run; keep them out of its traces
             for key in ("gpu", "tp", "kv_cache_dtype", "sim_efficiency", "sim_pace"):
                 config.pop(key, None)
+            if self.device.type == "cuda":  # lets `kvscope calibrate` find the GPU in the sim catalog
+                config["device_name"] = torch.cuda.get_device_name(self.device)
         return HelloEvent(PROTOCOL_VERSION, config, self.wall_start)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -74,7 +74,7 @@ def resolve_names(config: dict, gpu: str | None, model: str | None) -> tuple[str
     if gpu is None:
         sim = config.get("backend") == "sim"
         gpu = (config.get("gpu") if sim else None) or ("cpu" if str(config.get("device", "")).startswith("cpu")
-                                                       else None)
+                                                       else catalog.gpu_from_device_name(config.get("device_name")))
         if gpu is None:
             raise ValueError(f"the trace ran on {config.get('device')!r}; name its GPU with --gpu "
                              f"({', '.join(catalog.GPUS)})")

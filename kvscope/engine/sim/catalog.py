@@ -197,3 +197,17 @@ def model(name: str) -> ModelShape:
     if key not in MODELS:
         raise KvscopeError(f"unknown sim model {name!r} (choose from {', '.join(MODELS)})")
     return MODELS[key]
+
+
+def gpu_from_device_name(name: str | None) -> str | None:
+    """The catalog GPU for a CUDA device name (torch.cuda.get_device_name), or None if unknown."""
+    n = (name or "").upper()
+    if "H200" in n:
+        return "h200"
+    if "H100" in n and "PCIE" not in n:
+        return "h100-sxm5"
+    if "A100" in n and "80GB" in n.replace(" ", ""):
+        return "a100-80gb"
+    if n.endswith(" L4") or n == "L4":
+        return "l4"
+    return None
