@@ -118,11 +118,13 @@ class BlockManager:
             parent = key
         return blocks
 
-    def can_admit(self, hits: list[int], total_tokens: int) -> bool:
-        """Whether a new request sharing `hits` can get blocks covering total_tokens."""
-        need = blocks_needed(total_tokens, self.block_size) - len(hits)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return need <= self.num_free - revived
+    def can_admit(self, hits: list[int], computed: int, total_tokens: int) -> bool:
+        """Whether a new request with tokens [0, computed) in `hits` can get blocks covering total_tokens."""
+        shared = hits[: computed // self.block_size]  # hits it shares; a last, partly used one is copied
+        need = blocks_needed(total_tokens, self.block_size) - len(shared)
+        # reviving a cached hit takes it off the free pool; so does pinning a cached copy source
+        taken = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return need <= self.num_free - taken
 
     # ---- mutations -----------------------------------------------------------
     def _log_ref(self, block: int, count: int) -> None:
@@ -163,7 +165,7 @@ class BlockManager:
         """Give a new request the cached blocks `hits` (tokens [0, computed) are in them), then
         blocks up to total_tokens; all or nothing. A hit block that the first computed token
         would write into is copied (copy-on-write) rather than shared."""
-        if not self.can_admit(hits, total_tokens):
+        if not self.can_admit(hits, computed, total_tokens):
             return False
         bs = self.block_size
         table = self.tables.setdefault(req_id, [])
