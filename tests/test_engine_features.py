@@ -195,3 +195,38 @@ def test_user_policy_from_module_path(models, recorder, monkeypatch):
     llm = LLM(model_arg, device="cpu", num_blocks=40, max_num_seqs=1, policy=f"{bad.__name__}:Lying")
     with pytest.raises(KvscopeError, match="order\\(\\) must return the same requests"):
         llm.generate(prompts, PARAMS)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_dashboard_from_deltas_equals_snapshots(models, recorder, policy):
+    """With sharing, caching, copy-on-write and swaps, the TUI's picture rebuilt from step deltas
+    equals the one a snapshot gives at every snapshot (so a replay seek shows what live showed)."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.tui.state import new_state, picture, reduce
+
+    model_arg, _, vocab = models["tiny"]
+    prompts = shared_prefix_prompts(vocab, seed=4) + token_prompts([30, 45, 20, 38], vocab, seed=2)
+    engine = LLMEngine(EngineConfig(model=model_arg, device="cpu", num_blocks=14, prefix_caching=True,
+                                    preemption="swap", swap_space=0.01, policy=policy,
+                                    max_num_batched_tokens=40),
+                       sink=recorder, snapshot_every=3, snapshot_interval_s=1e9)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True), priority=i % 3)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    state = new_state()
+    checked = 0
+    for ev in recorder.events:
+        if ev.type == "snapshot" and state.last_step is not None:
+            a, b = picture(state), picture(reduce(new_state(state.config), ev))
+            assert a == b, f"step {ev.step}: " + ", ".join(k for k in a if a[k] != b[k])
+            checked += 1
+        state = reduce(state, ev)
+    steps = recorder.of_type("step")
+    assert checked > 10
+    assert any(e.swaps for e in steps) and any(e.hits for e in steps)
+    assert any(r.refcount > 1 for e in steps for r in e.refs), "no block was shared"
+    assert state.swap_out_count > 0 and state.hit_count > 0

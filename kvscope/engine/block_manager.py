@@ -58,7 +58,12 @@ class BlockManager:
         self.tables: dict[int, list[int]] = {}
         self.filled: dict[int, int] = {}  # tokens whose KV is written, per request
         self._chains: dict[int, list[int]] = {}  # per request: keys of its full blocks, in order
-        self._log = BlockDeltaLog()
+        self._log = BlockDeltaLog()  # for `freed` (net over the step)
+        self._appends: list[tuple[int, int]] = []  # (block, req) added to a live table this step, in order
+        self._start_ref: dict[int, int] = {}  # refcount at step start of blocks touched this step
+        # The block map as a watcher rebuilds it from the deltas (docs/PROTOCOL.md): the request
+        # that claimed each block. Snapshots report these owners so seeks equal live.
+        self.view_owner: dict[int, int] = {}
         self._log_refs: list[tuple[int, int]] = []
         self._ref_logged: set[int] = set()
         self._copies: list[tuple[int, int]] = []
@@ -127,6 +132,10 @@ class BlockManager:
         return need <= self.num_free - taken
 
     # ---- mutations -----------------------------------------------------------
+    def _touch(self, block: int) -> None:
+        if block not in self._start_ref:
+            self._start_ref[block] = self.ref_counts[block]
+
     def _log_ref(self, block: int, count: int) -> None:
         self._log_refs.append((block, count))
         self._ref_logged.add(block)
@@ -135,19 +144,23 @@ class BlockManager:
         """A block for req_id: a plain free one, else the least recently released cached one."""
         if self._free:
             block = self._free.popleft()
+            self._touch(block)
         else:
             block, _ = self._evictable.popitem(last=False)
+            self._touch(block)
             del self._by_hash[self.block_hash[block]]
             self.block_hash[block] = None
             self.evictions += 1
             self._log.free(block)  # it leaves the cache
         self.ref_counts[block] = 1
         self._log.alloc(block, req_id)
+        self._appends.append((block, req_id))
         if block in self._ref_logged:
             self._log_ref(block, 1)  # supersedes an earlier count of this step
         return block
 
     def _release(self, block: int) -> None:
+        self._touch(block)
         count = self.ref_counts[block] - 1
         if count < 0:
             raise AssertionError(f"block {block} freed twice")
@@ -186,11 +199,12 @@ class BlockManager:
                 self.cow_copies += 1
                 table.append(copy)
                 continue
+            self._touch(block)
             count = self.ref_counts[block] + 1
             if count == 1:
                 del self._evictable[block]
             self.ref_counts[block] = count
-            self._log.alloc(block, req_id)
+            self._appends.append((block, req_id))
             self._log_ref(block, count)
             table.append(block)
         return self.grow(req_id, total_tokens)
@@ -235,17 +249,37 @@ class BlockManager:
         self._chains.pop(req_id, None)
         if table is None:
             return
+        # its table is gone: what it was given this step is no longer news
+        self._appends = [(b, r) for b, r in self._appends if r != req_id]
         # Release tail first: recently used blocks are handed out last, and a request's
         # tail blocks leave the cache before the prefix blocks others are likelier to share.
         for block in reversed(table):
             self._release(block)
 
     def drain_deltas(self) -> BlockDeltas:
-        alloc, freed = self._log.take()
-        deltas = BlockDeltas([(a.block, a.req) for a in alloc], freed, self._log_refs)
+        _, freed = self._log.take()
+        deltas = BlockDeltas(self._appends, freed, self._log_refs)
+        self._update_view(deltas)
+        self._appends = []
+        self._start_ref = {}
         self._log_refs = []
         self._ref_logged = set()
         return deltas
+
+    def _update_view(self, deltas: BlockDeltas) -> None:
+        """Apply the step's deltas to view_owner with the watchers' rules (kvscope.tui.state)."""
+        view = self.view_owner
+        for b in deltas.freed:
+            view.pop(b, None)
+        zeroed = {b for b, c in deltas.refs if c <= 0}
+        claimed: set[int] = set()
+        for b, req in deltas.alloc:
+            if b not in claimed and (b not in view or self._start_ref.get(b, 1) <= 0 or b in zeroed):
+                view[b] = req
+                claimed.add(b)
+        for b, count in self._start_ref.items():
+            if self.ref_counts[b] == 0 and b not in self._evictable:
+                view.pop(b, None)  # plain free at step end
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs (src, dst) made since the last call, to apply before the forward."""

@@ -95,11 +95,12 @@ def request_state(req: Request) -> RequestState:
 
 def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> SnapshotEvent:
     blocks: dict[int, BlockOwner] = {}
+    owner = bm.view_owner  # who a watcher's block map shows as owner (the claimer)
     for req_id, table in bm.tables.items():
         for block in table:
-            blocks.setdefault(block, BlockOwner(block, req_id, bm.ref_counts[block]))
+            blocks.setdefault(block, BlockOwner(block, owner.get(block, req_id), bm.ref_counts[block]))
     for block in bm.cached_blocks:  # cached: free, refcount 0, still holding a prefix
-        blocks[block] = BlockOwner(block, -1, 0)
+        blocks[block] = BlockOwner(block, owner.get(block, -1), 0)
     waiting = [r for r in sched.waiting if r.status is RequestStatus.WAITING]
     preempted = [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
     swapped = [r for r in sched.waiting if r.status is RequestStatus.SWAPPED]

@@ -18,7 +18,8 @@ Rules this module applies (kept here so the widgets need not know them):
   RefChange to 0 of a block not in ``freed`` leaves it *cached* (free, still
   holding a reusable prefix; a snapshot lists it with refcount 0); a cached block
   leaves the cache through ``freed``. A request's table is dropped when it
-  finishes, is rejected or is preempted with recompute. For older, non-net
+  finishes, is rejected or is preempted (recompute, or swap: its KV moves to CPU
+  memory and it gets new blocks when swapped in). For older, non-net
   streams: a block given to a request that finishes in the same step and also
   listed in ``freed`` ends free.
 * Prefill chunks: each PREFILL batch entry of a request is one chunk. A recompute
@@ -462,7 +463,8 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         r.preemptions += 1
         r.log.append(LogEntry(LOG_PREEMPT, step, ev.t, note=f"{pe.reason}, {pe.mode}"))
         if pe.mode == "swap":
-            r.state = SWAPPED
+            r.state = SWAPPED  # its KV went to CPU memory: its GPU blocks are released
+            state.tables.pop(pe.req, None)
         else:
             r.state = PREEMPTED
             r.computed = 0
@@ -534,6 +536,9 @@ def _step(state: TuiState, ev: StepEvent) -> None:
             r.state = st
 
     freed_set = set(ev.freed) if ev.finished and ev.freed else ()
+    if freed_set and ev.refs:
+        # a block with a RefChange this step has an explicit count: shared or cached, not free
+        freed_set = freed_set - {rc.block for rc in ev.refs}
     for f in ev.finished:
         state.finished_count += 1
         r = state.requests.get(f.req)
