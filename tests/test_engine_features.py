@@ -230,3 +230,19 @@ def test_dashboard_from_deltas_equals_snapshots(models, recorder, policy):
     assert any(e.swaps for e in steps) and any(e.hits for e in steps)
     assert any(r.refcount > 1 for e in steps for r in e.refs), "no block was shared"
     assert state.swap_out_count > 0 and state.hit_count > 0
+
+
+def test_cli_feature_flags_reach_the_config_and_bad_ones_fail_in_one_line(capsys):
+    from kvscope.cli import _engine_config, build_parser, main
+
+    args = build_parser().parse_args(["serve", "--prefix-caching", "--preemption", "swap", "--swap-space", "0.5",
+                                      "--policy", "priority"])
+    config = _engine_config(args)
+    assert (config.prefix_caching, config.preemption, config.swap_space, config.policy) == (True, "swap", 0.5,
+                                                                                            "priority")
+    assert _engine_config(build_parser().parse_args(["serve", "--no-prefix-caching"])).prefix_caching is False
+
+    assert main(["bench-features", "--experiments", "nope"]) == 2
+    assert main(["serve", "--device", "cpu", "--policy", "no_such_mod_q:X", "--num-requests", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "unknown experiment 'nope'" in err[0] and "cannot import 'no_such_mod_q'" in err[1]
