@@ -92,7 +92,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvscope.engine.workload import load_spec
 
     load_spec(args.workload)  # fail on a bad workload before loading the model
-    _stop_on_sigterm()
     engine = LLMEngine(_engine_config(args))
     sinks, control = _open_outputs(args, engine)
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
@@ -100,12 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     progress = _progress_bar(args, options, engine)
     server = Server(engine, options, control=control, on_progress=progress.update if progress else None)
     reason = "drained"
+    original_handlers = _stop_on_sigterm()
     try:
         summary = server.run()
     except KeyboardInterrupt:
         reason = "interrupted"
         summary = server.summary()
     finally:
+        _ignore_stop_signals()  # a second SIGTERM or Ctrl-C must not cut the trace's index short
         if progress:
             progress.close()
         engine.close(reason)
@@ -113,20 +114,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sink.close()
         if control is not None:
             control.close()
+        _restore_signals(original_handlers)
     print(summary_table(summary))
     if args.json:
         _write_json(args.json, {"config": engine.hello().config, "summary": summary.to_dict()})
     return 0
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM ends serve like Ctrl-C does: the summary prints and the trace gets its index."""
+def _stop_on_sigterm() -> dict:
+    """SIGTERM ends serve like Ctrl-C does: the summary prints and the trace gets its index.
+
+    Returns the handlers it replaced, for _restore_signals.
+    """
     import signal
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    original = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, interrupt)
+    return original
+
+
+def _ignore_stop_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _restore_signals(handlers: dict) -> None:
+    import signal
+
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _open_outputs(args, engine):

@@ -86,6 +86,7 @@ def test_live_engine_then_replay_equals_live(tmp_path):
 
     try:
         asyncio.run(run())
+        proc.wait(timeout=60)  # it drained and said bye: let it close its trace and exit by itself
     finally:
         source.close()
         if proc is not None:
