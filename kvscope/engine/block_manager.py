@@ -51,6 +51,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
+        self._num_shared = 0  # blocks with refcount > 1, kept up to date so counters() stays O(requests)
         self._free: deque[int] = deque(range(num_blocks))  # free and holding nothing reusable
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0: oldest release first
         self.block_hash: list[int | None] = [None] * num_blocks  # registered prefix key, if any
@@ -165,6 +166,8 @@ class BlockManager:
         if count < 0:
             raise AssertionError(f"block {block} freed twice")
         self.ref_counts[block] = count
+        if count == 1:
+            self._num_shared -= 1
         if count > 0:
             self._log_ref(block, count)
         elif self.block_hash[block] is not None:
@@ -203,6 +206,8 @@ class BlockManager:
             count = self.ref_counts[block] + 1
             if count == 1:
                 del self._evictable[block]
+            elif count == 2:
+                self._num_shared += 1
             self.ref_counts[block] = count
             self._appends.append((block, req_id))
             self._log_ref(block, count)
@@ -296,13 +301,12 @@ class BlockManager:
             tokens += filled
             tail += holding * bs - filled
             reserve += (len(table) - holding) * bs
-        shared = sum(1 for c in self.ref_counts if c > 1)
         return KvCounters(
             total=self.num_blocks,
             used=self.num_used,
             free=self.num_free,
             cached=len(self._evictable),
-            shared=shared,
+            shared=self._num_shared,
             token_slots=tokens,
             tail_waste=tail,
             reserve_waste=reserve,
@@ -322,6 +326,7 @@ class BlockManager:
             for block in table:
                 expected[block] += 1
         assert expected == self.ref_counts, "refcounts disagree with block tables"
+        assert self._num_shared == sum(1 for c in expected if c > 1), "shared-block count drifted"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         cached = set(self._evictable)
