@@ -25,12 +25,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[S, nb] block ids -> [S, KVH, length, D] contiguous keys or values."""
-    bs = cache.shape[1]
+    """[S, nb] block ids -> [S, KVH, length, D] keys or values (a strided view of one copy)."""
+    _, bs, kvh, d = cache.shape
     nb = -(-length // bs)
-    blocks = cache[block_tables[:, :nb].long()]  # [S, nb, bs, KVH, D]
-    s, _, _, kvh, d = blocks.shape
-    return blocks.reshape(s, nb * bs, kvh, d)[:, :length].transpose(1, 2)
+    ids = block_tables[:, :nb].reshape(-1).long()
+    # index_select on the block dimension copies whole blocks in one pass (several times
+    # faster on CPU than advanced indexing with a 2-D index).
+    blocks = cache.index_select(0, ids).view(block_tables.shape[0], nb * bs, kvh, d)
+    return blocks[:, :length].transpose(1, 2)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

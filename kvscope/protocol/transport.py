@@ -243,7 +243,22 @@ class ZmqPublisher:
 # --------------------------------------------------------------------------- subscriber
 
 
-class Subscriber:
+class _OwnsSocket:
+    """close() once, and use as a context manager; subclasses set _sock and _closed."""
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Subscriber(_OwnsSocket):
     """Receives and decodes events from a publisher.
 
     Connecting needs no publisher yet: zmq connects and reconnects on its own, so
@@ -304,16 +319,6 @@ class Subscriber:
                 self._last_step = None
             return ev
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close(0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # --------------------------------------------------------------------------- control
@@ -411,7 +416,7 @@ class ControlRequest:
         return f"ControlRequest({self.cmd!r}, {self.args!r})"
 
 
-class ControlServer:
+class ControlServer(_OwnsSocket):
     """ROUTER socket for control requests; ``poll()`` never blocks.
 
     Requests are msgpack maps ``{"cmd": str, "args": map}``. Unknown commands, bad
@@ -482,16 +487,6 @@ class ControlServer:
 
         return send
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close(0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class ControlClient:

@@ -448,15 +448,16 @@ class ReplayController:
         """Pause and hand out the events up to and including the next step event."""
         now = self._now()
         self.clock.pause(now)
+        self.pending.extend(self._events_through_step(now, None))
+
+    def _events_through_step(self, now: float, step: int | None) -> list:
+        """Events from the clock up to and including the next step event (at or past `step` if given)."""
         out = []
-        while True:
-            ev = self.clock.step(now)
-            if ev is None:
-                break
+        while (ev := self.clock.step(now)) is not None:
             out.append(ev)
-            if type(ev) is StepEvent:
+            if type(ev) is StepEvent and (step is None or ev.step >= step):
                 break
-        self.pending.extend(out)
+        return out
 
     def step_back(self) -> None:
         self.pause()
@@ -474,15 +475,7 @@ class ReplayController:
         now = self._now()
         playing = self.clock.playing
         if self.cur_step < step and step - self.cur_step <= self.FORWARD_LIMIT and not self.pending:
-            out = []
-            while True:
-                ev = self.clock.step(now)
-                if ev is None:
-                    break
-                out.append(ev)
-                if type(ev) is StepEvent and ev.step >= step:
-                    break
-            self.pending.extend(out)
+            self.pending.extend(self._events_through_step(now, step))
             self.cur_step = step
         else:
             events = list(self.trace.seek(step))

@@ -48,12 +48,16 @@ def phases(r, now: float) -> list[tuple[float, float, str]]:
     return spans
 
 
-class RequestSummary(StateWidget):
-    """Request fields, then a strip from arrival to now: queued · prefill █ decode ▓ preempted ░."""
+class RequestWidget(StateWidget):
+    """A widget about one request, named by id."""
 
     def __init__(self, req: int, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.req = req
+
+
+class RequestSummary(RequestWidget):
+    """Request fields, then a strip from arrival to now: queued · prefill █ decode ▓ preempted ░."""
 
     def render(self) -> Text:
         st = self.state
@@ -123,12 +127,8 @@ class RequestSummary(StateWidget):
         return t
 
 
-class LifecycleLog(StateWidget):
+class LifecycleLog(RequestWidget):
     """One line per lifecycle event (runs of decode steps folded into one)."""
-
-    def __init__(self, req: int, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(id=id, classes=classes)
-        self.req = req
 
     def render(self) -> Text:
         st = self.state
@@ -176,12 +176,8 @@ class LifecycleLog(StateWidget):
         return join_lines(lines)
 
 
-class BlockTablePanel(StateWidget):
+class BlockTablePanel(RequestWidget):
     """The request's block table (logical → physical), shared blocks marked."""
-
-    def __init__(self, req: int, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(id=id, classes=classes)
-        self.req = req
 
     def render(self) -> Text:
         st = self.state
