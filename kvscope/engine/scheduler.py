@@ -62,7 +62,6 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self._finished_since_last: list[int] = []
-        self._static_prefilled = False
         self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == "swap" else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
 
