@@ -83,8 +83,17 @@ def _warm_up(engine) -> None:
 def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     import torch
 
+    from kvscope.bench_peers import PEERS
+    from kvscope.engine.config import MODES
     from kvscope.engine.llm_engine import LLMEngine
 
+    # Check every row's name before spending minutes on the first ones.
+    for mode in options.modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    for peer in options.peers:
+        if peer not in PEERS:
+            raise ValueError(f"unknown peer {peer!r} (choose from {', '.join(PEERS)})")
     probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
     items = _workload(config, options, probe.loaded.vocab_size, probe.loaded.eos_token_ids)
     device = str(probe.device)
@@ -97,10 +106,6 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
                          {"steps": engine.scheduler.step_count}))
     for peer in options.peers:
         log(f"[bench] {peer} ...", file=sys.stderr)
-        from kvscope.bench_peers import PEERS
-
-        if peer not in PEERS:
-            raise ValueError(f"unknown peer {peer!r} (choose from {', '.join(PEERS)})")
         rows.append(PEERS[peer](config, items))
     result = {
         "workload": options.workload,

@@ -183,3 +183,14 @@ def test_text_prompt_for_a_model_without_tokenizer(models):
     assert text.finish_reason == "rejected" and "has no tokenizer" in text.error and "\n" not in text.error
     assert bad_token.finish_reason == "rejected" and f"token id {vocab} is outside" in bad_token.error
     assert good.token_ids == ref.greedy(prompt, 8) and good.text == ""
+
+
+@pytest.mark.parametrize("args, match", [(["--peers", "foo"], "unknown peer 'foo'"),
+                                         (["--modes", "chunked,fast"], "unknown mode 'fast'")])
+def test_bench_rejects_bad_row_names_before_running_anything(args, match, capsys):
+    from kvscope.cli import main
+
+    assert main(["bench", "--num-requests", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "[bench]" not in err  # nothing ran first
+    assert len(err.strip().splitlines()) == 1
