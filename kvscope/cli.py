@@ -233,7 +233,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvscope.tui.launch import run_demo
 
-    run_demo(palette=args.palette, device=args.device)
+    run_demo(palette=args.palette, device=args.device, sim_gpu=args.gpu if args.sim else None)
     return 0
 
 
@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
         else:
             p.add_argument("--device", default="auto")
+            p.add_argument("--sim", action="store_true",
+                           help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
+            p.add_argument("--gpu", default="h100-sxm5", help="with --sim: the GPU to simulate")
         p.add_argument("--palette", default="default", choices=["default", "cb"], help="cb: colour-blind safe")
         p.set_defaults(func=func)
 

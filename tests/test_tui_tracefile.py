@@ -113,3 +113,16 @@ def test_demo_command_line():
     assert "--forever" in cmd and cmd[cmd.index("--workload") + 1] == "demo"
     assert cmd[cmd.index("--events") + 1] == "tcp://127.0.0.1:6001"
     assert cmd[cmd.index("--control") + 1] == "tcp://127.0.0.1:6002"
+
+
+def test_sim_demo_command_is_a_valid_sim_serve():
+    from kvscope.cli import _engine_config, build_parser
+    from kvscope.tui.launch import SIM_DEMO_MODEL, demo_command, sim_demo_args
+
+    cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", model=SIM_DEMO_MODEL, workload="mixed",
+                       engine_args=sim_demo_args("h200"))
+    args = build_parser().parse_args(cmd[3:])
+    config = _engine_config(args)
+    config.validate()
+    assert (config.backend, config.model, args.forever) == ("sim", SIM_DEMO_MODEL, True)
+    assert args.gpu == "h200" and args.sim_pace == 1.0 and args.num_blocks is None

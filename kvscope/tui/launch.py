@@ -79,12 +79,25 @@ DEMO_ENGINE_ARGS = ("--num-blocks", "384", "--max-num-seqs", "32", "--max-num-ba
                     "--prefix-caching")
 
 
+# `kvscope demo --sim`: an H100 serving Llama 3.3 70B FP8 on the sim backend, paced to real
+# time. Mixed traffic with a burst every 10 s: over 28 s it measured ~550 tok/s, queueing
+# at the bursts, chunked prefills beside decodes and a few preemptions from a full cache.
+SIM_DEMO_MODEL = "llama-3.3-70b-fp8"
+SIM_DEMO_WORKLOAD = "mixed"
+
+
+def sim_demo_args(gpu: str = "h100-sxm5") -> tuple[str, ...]:
+    return ("--backend", "sim", "--gpu", gpu, "--kv-cache-dtype", "fp8", "--sim-pace", "1",
+            "--burst-every", "10")
+
+
 def demo_command(events_addr: str, control_addr: str, *, device: str = "auto", model: str = "tiny",
-                 workload: str = "demo", extra_args: tuple[str, ...] = ()) -> list[str]:
+                 workload: str = "demo", extra_args: tuple[str, ...] = (),
+                 engine_args: tuple[str, ...] = DEMO_ENGINE_ARGS) -> list[str]:
     """Later arguments win in argparse, so extra_args can override the demo's engine sizing."""
     return [sys.executable, "-m", "kvscope.cli", "serve", "--forever", "--workload", workload,
             "--events", events_addr, "--control", control_addr, "--device", device, "--model", model,
-            "--no-progress", *DEMO_ENGINE_ARGS, *extra_args]
+            "--no-progress", *engine_args, *extra_args]
 
 
 def start_engine(cmd: list[str], log_path: str | None = None) -> tuple[subprocess.Popen, str]:
@@ -131,10 +144,17 @@ def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grac
 
 def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str = DEFAULT_EVENTS_ADDR,
              control_addr: str = DEFAULT_CONTROL_ADDR, model: str = "tiny", workload: str = "demo",
-             extra_args: tuple[str, ...] = (), log_path: str | None = None) -> None:
-    """Start ``kvscope serve --forever --workload demo`` as a child, watch it, stop it on quit."""
-    cmd = demo_command(events_addr, control_addr, device=device, model=model, workload=workload,
-                       extra_args=extra_args)
+             extra_args: tuple[str, ...] = (), log_path: str | None = None, sim_gpu: str | None = None) -> None:
+    """Start ``kvscope serve --forever --workload demo`` as a child, watch it, stop it on quit.
+
+    With sim_gpu, the child is the sim backend: Llama 3.3 70B FP8 on that GPU, in real time.
+    """
+    if sim_gpu is not None:
+        cmd = demo_command(events_addr, control_addr, device=device, model=SIM_DEMO_MODEL,
+                           workload=SIM_DEMO_WORKLOAD, extra_args=extra_args, engine_args=sim_demo_args(sim_gpu))
+    else:
+        cmd = demo_command(events_addr, control_addr, device=device, model=model, workload=workload,
+                           extra_args=extra_args)
     proc, log_path = start_engine(cmd, log_path)
     code = None
     try:
