@@ -22,7 +22,7 @@ BENCH_MAX_PROMPT_LEN = 2048  # keeps hf-static's dense padded attention inside C
 @dataclass
 class BenchOptions:
     workload: str = "mixed"
-    num_requests: int | None = 48
+    num_requests: int | None = None  # None: the workload preset's own count
     modes: list[str] = field(default_factory=lambda: ["naive", "static", "continuous", "chunked"])
     peers: list[str] = field(default_factory=lambda: ["hf-static", "hf-generate-batch"])
     max_prompt_len: int = BENCH_MAX_PROMPT_LEN
