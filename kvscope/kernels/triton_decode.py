@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels.triton_softmax import attend_tile
+
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 _SM_COUNT: dict[int, int] = {}
@@ -65,21 +67,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_p
         kv_off = base[:, None] + offs_d[None, :]
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(nmask[None, :], scores * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = attend_tile(q, k, v, nmask[None, :], m, l, acc, sm_scale_log2, IEEE)
 
     omask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:

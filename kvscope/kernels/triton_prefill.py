@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels.triton_softmax import attend_tile
+
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr,
@@ -55,22 +57,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_
             kv_off = (blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch)[:, None] + offs_d[None, :]
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
-            scores = tl.where(visible, scores * sm_scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
+            m, l, acc = attend_tile(q, k, v, visible, m, l, acc, sm_scale_log2, IEEE)
         o = acc / l[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=mmask[:, None] & dmask[None, :])
