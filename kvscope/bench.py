@@ -31,10 +31,10 @@ class BenchOptions:
 
 def _workload(config: EngineConfig, options: BenchOptions, vocab: int, eos: frozenset[int]):
     from kvscope.engine import workload as wl
+    from kvscope.engine.serve import reserved_top_ids
 
     spec = wl.load_spec(options.workload)
-    top = max(eos) if eos else -1
-    reserved = vocab - top if top >= vocab // 2 else 0
+    reserved = reserved_top_ids(vocab, eos)
     items = wl.generate(spec, vocab_size=vocab, num_requests=options.num_requests, seed=config.seed,
                         max_prompt_len=options.max_prompt_len, reserved_ids=reserved)
     return [replace(item, arrival=0.0) for item in items]

@@ -18,6 +18,12 @@ IDLE_POLL_S = 0.02  # how often an idle or paused engine looks at the control so
 LONG_PROMPT_TOKENS = 2048
 
 
+def reserved_top_ids(vocab: int, eos_token_ids: frozenset[int]) -> int:
+    """How many ids at the top of the vocab to keep out of generated prompts: special tokens sit there."""
+    top = max(eos_token_ids) if eos_token_ids else -1
+    return vocab - top if top >= vocab // 2 else 0
+
+
 @dataclass
 class ServeOptions:
     workload: str = "mixed"
@@ -40,15 +46,9 @@ class Server:
         self.stopping = False
         self.spec = wl.load_spec(options.workload)
         self.vocab = engine.loaded.vocab_size
-        self.reserved = self._reserved_ids()
+        self.reserved = reserved_top_ids(self.vocab, engine.loaded.eos_token_ids)
         self._injected: list[wl.WorkloadRequest] = []
         self._seed_counter = options.seed * 7919 + 1
-
-    def _reserved_ids(self) -> int:
-        """Keep generated prompts clear of special tokens, which sit at the top of the vocab."""
-        eos = self.engine.loaded.eos_token_ids
-        top = max(eos) if eos else -1
-        return self.vocab - top if top >= self.vocab // 2 else 0
 
     def requests(self) -> Iterator[wl.WorkloadRequest]:
         max_prompt = self.engine.max_model_len - 1
