@@ -57,12 +57,15 @@ def _row(name: str, m: MetricsCollector, preemptions: int, kv_waste: float | Non
     return row
 
 
-def run_mode(config: EngineConfig, items, sink=None):
+def run_mode(config: EngineConfig, items, make_sink=None):
+    """Serve items through one engine; make_sink(engine), if given, builds the sink attached after warm-up."""
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.serve import ServeOptions, Server
 
-    engine = LLMEngine(config, sink=sink)
+    engine = LLMEngine(config)
     _warm_up(engine)
+    if make_sink is not None:
+        engine.attach(make_sink(engine))
     server = Server(engine, ServeOptions(verbose_rejects=False))
     server.run(items)
     engine.close()

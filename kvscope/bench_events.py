@@ -30,42 +30,22 @@ def _free_tcp_addr() -> str:
 def _tok_per_s(config: EngineConfig, items, watched: bool, trace_path: str) -> tuple[float, int]:
     from kvscope.bench import run_mode
 
-    sink = None
-    if watched:
-        from kvscope.engine.llm_engine import LLMEngine  # noqa: F401  (engine import cost stays outside the timing)
+    sinks: list = []
+
+    def watch(engine):
+        """What `kvscope serve --events ... --record ...` attaches: a publisher and a trace writer."""
         from kvscope.protocol.sinks import FanOut
         from kvscope.protocol.transport import ZmqPublisher
         from kvscope.traces.writer import TraceWriter
 
-        sink = _LateWriter(FanOut([ZmqPublisher(_free_tcp_addr())]), trace_path)
-    engine, server = run_mode(config, items, sink=sink)
-    if sink is not None:
+        sinks.append(FanOut([ZmqPublisher(_free_tcp_addr()),
+                             TraceWriter(trace_path, engine.hello(), snapshot_provider=engine.snapshot)]))
+        return sinks[0]
+
+    engine, server = run_mode(config, items, make_sink=watch if watched else None)
+    for sink in sinks:
         sink.close()
     return server.summary().output_tok_per_s, engine.scheduler.step_count
-
-
-class _LateWriter:
-    """Adds the trace writer once the engine's hello goes by (the writer wants hello up front)."""
-
-    def __init__(self, fanout, path: str) -> None:
-        self.fanout = fanout
-        self.path = path
-        self.writer = None
-
-    def publish(self, event) -> None:
-        if self.writer is None and getattr(event, "type", None) == "hello":
-            from kvscope.traces.writer import TraceWriter
-
-            self.writer = TraceWriter(self.path, event)
-            self.fanout.add(self.writer)
-            return
-        self.fanout.publish(event)
-
-    def take_dropped(self) -> int:
-        return sum(getattr(s, "take_dropped", lambda: 0)() for s in self.fanout.sinks)
-
-    def close(self) -> None:
-        self.fanout.close()
 
 
 def synthetic_step(num_running: int) -> StepEvent:

@@ -122,3 +122,15 @@ def test_rejected_request_is_published_and_others_continue():
     rejects = [e for e in sink.events if e.type == "reject"]
     assert len(rejects) == 1 and "\n" not in rejects[0].reason
     assert any(f.req == 1 for e in sink.events if isinstance(e, StepEvent) for f in e.finished)
+
+
+def test_event_overhead_bench_records_a_readable_trace():
+    from kvscope.bench import BenchOptions, _workload
+    from kvscope.bench_events import measure_event_overhead
+
+    config = EngineConfig(mode="chunked", num_blocks=256)
+    items = _workload(config, BenchOptions(workload="chat", num_requests=4), 260, frozenset({256}))
+    result = measure_event_overhead(config, items, rounds=1)
+    assert result["bytes_per_step"] > 0  # steps were read back from the recorded trace
+    assert result["trace_bytes_per_1000_steps"] > 0
+    assert result["tok_per_s_on"] > 0 and result["tok_per_s_off"] > 0
