@@ -54,13 +54,11 @@ class LLMEngine:
                  snapshot_interval_s: float = 2.0) -> None:
         config.validate()
         self.config = config
-        self.clock = WallClock()
         self.sim = None  # backend "sim": kvscope.engine.sim.backend.SimBackend
         if config.backend == "sim":
             from kvscope.engine.sim.backend import SimBackend
 
             self.sim = SimBackend(config)
-            self.clock = self.sim.clock
             self.device, self.dtype, self.loaded = self.sim.device, self.sim.dtype, self.sim.loaded
         else:
             self.device = resolve_device(config.device)
@@ -95,8 +93,8 @@ class LLMEngine:
         self._waste_steps = 0
         self.num_preemptions = 0
         self.wall_start = time.time()
-        if self.sim is None:
-            self.clock = WallClock()  # time starts once the model is loaded
+        # wall time starts once the model is loaded; the sim runs on its own virtual clock
+        self.clock = self.sim.clock if self.sim is not None else WallClock()
         if sink is not None:
             self.attach(sink)
 
