@@ -79,8 +79,7 @@ def _warm_up(engine) -> None:
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    engine.num_preemptions = 0
-    engine._waste_sum, engine._waste_steps = 0.0, 0
+    engine.reset_counters()
 
 
 def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:

@@ -89,9 +89,7 @@ class LLMEngine:
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot_t = 0.0
         self._next_id = 0
-        self._waste_sum = 0.0
-        self._waste_steps = 0
-        self.num_preemptions = 0
+        self.reset_counters()
         self.wall_start = time.time()
         # wall time starts once the model is loaded; the sim runs on its own virtual clock
         self.clock = self.sim.clock if self.sim is not None else WallClock()
@@ -228,6 +226,12 @@ class LLMEngine:
             if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
                 self.publish_snapshot()
         return finished
+
+    def reset_counters(self) -> None:
+        """Zero the run totals (preemptions, KV waste), e.g. after a warm-up request."""
+        self.num_preemptions = 0
+        self._waste_sum = 0.0
+        self._waste_steps = 0
 
     @property
     def mean_kv_waste(self) -> float:
