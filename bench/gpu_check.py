@@ -221,7 +221,7 @@ class Check:
 
     # ---- 3 + 4: end to end, with a trace of the kvscope run --------------------------------
     def workload(self, n: int, lo: int, hi: int, vocab: int):
-        from kvscope.engine.workload import WorkloadRequest
+        from kvscope.workload import WorkloadRequest
 
         rng = random.Random(0)
         return [WorkloadRequest(arrival=0.0, prompt=[rng.randrange(3, min(vocab, 50000)) for _ in
@@ -231,11 +231,11 @@ class Check:
     def e2e(self, args) -> None:
         from dataclasses import replace
 
-        from kvscope.bench import _row, _warm_up
-        from kvscope.bench_peers import PEERS
+        from kvscope.bench.modes import _row, _warm_up
+        from kvscope.bench.peers import PEERS
         from kvscope.engine.config import EngineConfig
         from kvscope.engine.llm_engine import LLMEngine
-        from kvscope.engine.serve import ServeOptions, Server
+        from kvscope.serve.driver import ServeOptions, Server
         from kvscope.traces.writer import TraceWriter
 
         if self.dry:

@@ -88,8 +88,8 @@ def _workload_args(p: argparse.ArgumentParser, default: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.metrics import summary_table
-    from kvscope.engine.serve import ServeOptions, Server
-    from kvscope.engine.workload import load_spec
+    from kvscope.serve.driver import ServeOptions, Server
+    from kvscope.workload import load_spec
 
     load_spec(args.workload)  # fail on a bad workload before loading the model
     engine = LLMEngine(_engine_config(args))
@@ -163,7 +163,7 @@ def _open_outputs(args, engine):
 
         sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
     if args.control:
-        from kvscope.engine.workload import PRESETS
+        from kvscope.workload import PRESETS
         from kvscope.protocol.transport import ControlServer
 
         control = ControlServer(args.control, allow_remote=args.allow_remote, workloads=PRESETS)
@@ -179,7 +179,7 @@ def _progress_bar(args, options, engine):
         return None
     from tqdm import tqdm
 
-    from kvscope.engine.workload import load_spec
+    from kvscope.workload import load_spec
 
     total = None if options.forever else (options.num_requests or load_spec(options.workload).num_requests)
     return tqdm(total=total, desc=f"{engine.config.mode}", unit="req", file=sys.stderr, dynamic_ncols=True)
@@ -197,10 +197,10 @@ def _write_json(path: str, data: dict) -> None:
 
 # ---- bench ------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvscope.bench import BenchOptions, print_table, run_bench
+    from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
     if args.backend == "sim" or args.preset:
-        from kvscope.engine.sim.bench import cmd_bench_sim
+        from kvscope.bench.sim import cmd_bench_sim
 
         return cmd_bench_sim(args, None if args.preset else _engine_config(args), _write_json)
 
@@ -238,7 +238,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from kvscope.engine.sim.calibrate import calibrate, format_report
+    from kvscope.analysis.calibrate import calibrate, format_report
 
     result = calibrate(args.file, gpu=args.gpu, model=args.sim_model, fit_per_seq=not args.no_per_seq,
                        validate_paths=args.validate)
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--palette", default="default", choices=["default", "cb"], help="cb: colour-blind safe")
         p.set_defaults(func=func)
 
-    from kvscope import bench_features
+    from kvscope.bench import features as bench_features
 
     bench_features.add_parser(sub)
 

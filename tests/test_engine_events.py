@@ -125,8 +125,8 @@ def test_rejected_request_is_published_and_others_continue():
 
 
 def test_event_overhead_bench_records_a_readable_trace():
-    from kvscope.bench import BenchOptions, _workload
-    from kvscope.bench_events import measure_event_overhead
+    from kvscope.bench.modes import BenchOptions, _workload
+    from kvscope.bench.events import measure_event_overhead
 
     config = EngineConfig(mode="chunked", num_blocks=256)
     items = _workload(config, BenchOptions(workload="chat", num_requests=4), 260, frozenset({256}))

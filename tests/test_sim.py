@@ -14,7 +14,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import CostModel, Efficiency, StepShape
-from kvscope.engine.workload import WorkloadRequest
+from kvscope.workload import WorkloadRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +115,7 @@ def _sim_config(**kw) -> EngineConfig:
 
 @pytest.mark.parametrize("mode", ["naive", "static", "continuous", "chunked"])
 def test_sim_run_is_deterministic_and_drains(mode):
-    from kvscope.bench import run_mode
+    from kvscope.bench.modes import run_mode
 
     results = []
     for _ in range(2):
@@ -145,7 +145,7 @@ def test_sim_tokens_never_eos_and_hello_says_sim():
 
 def test_virtual_clock_jumps_idle_gaps():
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.serve import ServeOptions, Server
+    from kvscope.serve.driver import ServeOptions, Server
 
     engine = LLMEngine(_sim_config())
     items = [replace(it, arrival=a) for it, a in zip(_items(3), (0.0, 500.0, 3600.0))]
@@ -170,7 +170,7 @@ def test_virtual_clock_pacing():
 
 def test_sim_events_replay_through_traces_and_reducer(tmp_path):
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.serve import ServeOptions, Server
+    from kvscope.serve.driver import ServeOptions, Server
     from kvscope.protocol.events import StepEvent
     from kvscope.traces.reader import TraceReader
     from kvscope.traces.writer import TraceWriter
@@ -198,8 +198,8 @@ def test_sim_events_replay_through_traces_and_reducer(tmp_path):
 # ---- calibration ----------------------------------------------------------------------------------
 def test_calibrate_recovers_known_parameters(tmp_path):
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.serve import ServeOptions, Server
-    from kvscope.engine.sim.calibrate import calibrate
+    from kvscope.serve.driver import ServeOptions, Server
+    from kvscope.analysis.calibrate import calibrate
     from kvscope.traces.writer import TraceWriter
 
     truth = Efficiency(eff_bw=0.55, eff_flops=0.35, overhead_s=0.004, per_seq_s=0.0002)
@@ -225,7 +225,7 @@ def test_calibrate_recovers_known_parameters(tmp_path):
 
 def test_calibrated_cpu_trace_reproduces_throughput_and_ttft():
     """The acceptance target: fitted on the real engine's CPU run, the sim lands within 10%."""
-    from kvscope.engine.sim.calibrate import calibrate
+    from kvscope.analysis.calibrate import calibrate
 
     r = calibrate(os.path.join(ROOT, "traces", "calib-cpu.kvtrace"))
     assert r["gpu"] == "cpu" and r["model"] == "tiny"
@@ -282,7 +282,7 @@ def test_calibrate_cli_and_efficiency_file(tmp_path, capsys):
 
 
 def test_sim_swap_preemption_bills_copies():
-    from kvscope.bench import run_mode
+    from kvscope.bench.modes import run_mode
 
     engine, server = run_mode(_sim_config(preemption="swap", num_blocks=30), _items(16, prompt=60, out=30))
     assert engine.num_preemptions > 0 and engine.swapper.blocks_copied > 0

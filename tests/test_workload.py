@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.workload import (
+from kvscope.workload import (
     PRESETS,
     ArrivalSpec,
     LengthDist,
@@ -109,7 +109,7 @@ def test_seed_is_stable_across_processes():
     # workload.py needs nothing beyond the standard library.
     import subprocess
 
-    import kvscope.engine.workload as w
+    import kvscope.workload as w
 
     code = ("import importlib.util as u, sys;"
             f"s=u.spec_from_file_location('wl', {w.__file__!r}); m=u.module_from_spec(s);"

@@ -28,7 +28,7 @@ def _free_tcp_addr() -> str:
 
 
 def _tok_per_s(config: EngineConfig, items, watched: bool, trace_path: str) -> tuple[float, int]:
-    from kvscope.bench import run_mode
+    from kvscope.bench.modes import run_mode
 
     sinks: list = []
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from kvscope.engine import workload as wl
+from kvscope import workload as wl
 from kvscope.engine.errors import RequestRejected
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, Summary

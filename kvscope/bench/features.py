@@ -111,7 +111,7 @@ def run_one(label: str, make_items, base: dict[str, Any], settings: dict[str, An
 
 
 def _items(spec, num_requests: int, seed: int, max_prompt_len: int):
-    from kvscope.engine import workload as wl
+    from kvscope import workload as wl
 
     return lambda vocab: wl.generate(spec, vocab_size=vocab, num_requests=num_requests, seed=seed,
                                      max_prompt_len=max_prompt_len, reserved_ids=8)
@@ -119,7 +119,7 @@ def _items(spec, num_requests: int, seed: int, max_prompt_len: int):
 
 def experiment(name: str, *, model: str = "tiny", device: str = "cpu", scale: float = 1.0,
                seed: int = 0) -> dict[str, Any]:
-    from kvscope.engine import workload as wl
+    from kvscope import workload as wl
 
     base: dict[str, Any] = dict(model=model, device=device, mode="chunked", seed=seed)
     n = lambda k: max(4, int(k * scale))  # noqa: E731

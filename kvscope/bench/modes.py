@@ -30,8 +30,8 @@ class BenchOptions:
 
 
 def _workload(config: EngineConfig, options: BenchOptions, vocab: int, eos: frozenset[int]):
-    from kvscope.engine import workload as wl
-    from kvscope.engine.serve import reserved_top_ids
+    from kvscope import workload as wl
+    from kvscope.serve.driver import reserved_top_ids
 
     spec = wl.load_spec(options.workload)
     reserved = reserved_top_ids(vocab, eos)
@@ -60,7 +60,7 @@ def _row(name: str, m: MetricsCollector, preemptions: int, kv_waste: float | Non
 def run_mode(config: EngineConfig, items, make_sink=None):
     """Serve items through one engine; make_sink(engine), if given, builds the sink attached after warm-up."""
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.serve import ServeOptions, Server
+    from kvscope.serve.driver import ServeOptions, Server
 
     engine = LLMEngine(config)
     _warm_up(engine)
@@ -85,7 +85,7 @@ def _warm_up(engine) -> None:
 def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     import torch
 
-    from kvscope.bench_peers import PEERS
+    from kvscope.bench.peers import PEERS
     from kvscope.engine.config import MODES
     from kvscope.engine.llm_engine import LLMEngine
 
@@ -121,7 +121,7 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         "rows": rows,
     }
     if options.events:
-        from kvscope.bench_events import measure_event_overhead
+        from kvscope.bench.events import measure_event_overhead
 
         log("[bench] events on/off ...", file=sys.stderr)
         result["events"] = measure_event_overhead(replace(config, mode="chunked"), items)

@@ -1,6 +1,6 @@
 """The sim bench: `kvscope bench --backend sim` and the presets `lesson` and `fragmentation`.
 
-The rows have the same JSON shape as the model backend's bench (kvscope/bench.py);
+The rows have the same JSON shape as the model backend's bench (kvscope/bench/modes.py);
 the run is timed on the wall clock too, to report simulated steps per second.
 Presets live in bench/presets/<name>.json.
 """
@@ -18,7 +18,7 @@ from random import Random
 
 from kvscope.engine.config import EngineConfig
 
-PRESET_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "presets")
+PRESET_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "presets")
 PRESETS = ("lesson", "fragmentation")
 
 
@@ -39,7 +39,7 @@ def load_preset(name: str) -> dict:
 # ---- the four modes on the sim -------------------------------------------------------------
 def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_prompt_len: int | None,
                  keep_arrivals: bool = False):
-    from kvscope.engine import workload as wl
+    from kvscope import workload as wl
     from kvscope.engine.llm_engine import LLMEngine
 
     probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
@@ -50,7 +50,7 @@ def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_promp
 
 
 def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> list[dict]:
-    from kvscope.bench import _row, run_mode
+    from kvscope.bench.modes import _row, run_mode
 
     rows = []
     for mode in modes:
@@ -95,7 +95,7 @@ def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None
 
 
 def run_lesson(preset: dict, overrides: dict | None = None, log=print) -> dict:
-    from kvscope.engine import workload as wl
+    from kvscope import workload as wl
 
     config = EngineConfig(**{**preset["engine"], **(overrides or {})})
     spec = wl.parse_spec(preset["workload"])
@@ -156,7 +156,7 @@ def print_speed(result: dict) -> None:
 def run_fragmentation(preset: dict) -> dict:
     from kvscope.engine.sim import catalog
     from kvscope.engine.sim.cost import CostModel
-    from kvscope.engine.workload import LengthDist
+    from kvscope.workload import LengthDist
 
     dist = LengthDist(**preset["output_len"])
     rng = Random(f"kvscope.fragmentation/{preset.get('seed', 0)}")
@@ -220,7 +220,7 @@ def print_fragmentation(r: dict) -> None:
 # ---- command ---------------------------------------------------------------------------------
 def cmd_bench_sim(args, engine_config, write_json) -> int:
     """`kvscope bench --backend sim ...` and `kvscope bench --preset NAME`."""
-    from kvscope.bench import print_table
+    from kvscope.bench.modes import print_table
 
     if args.preset and os.path.splitext(os.path.basename(preset_path(args.preset)))[0] == "fragmentation":
         result = run_fragmentation(load_preset(args.preset))
@@ -232,7 +232,7 @@ def cmd_bench_sim(args, engine_config, write_json) -> int:
         print_comparison(result)
         print_speed(result)
     else:
-        from kvscope.engine import workload as wl
+        from kvscope import workload as wl
 
         spec = wl.load_spec(args.workload)
         result = run_sim_bench(engine_config, spec, num_requests=args.num_requests, modes=args.modes.split(","))

@@ -1,0 +1,1 @@
+"""Analysis of recorded runs: calibration, diagnosis, what-if."""

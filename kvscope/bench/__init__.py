@@ -1,0 +1,1 @@
+"""Benchmarks: the harness, the mode/peer/feature/sim/event tables and their report."""

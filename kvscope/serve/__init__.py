@@ -1,0 +1,1 @@
+"""Front ends that drive the engine: the workload driver, the HTTP API, metrics and exporters."""
