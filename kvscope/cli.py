@@ -331,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the fit (usable as --sim-efficiency FILE)")
     p.set_defaults(func=cmd_calibrate)
 
+    from kvscope import cli_compare
+
+    cli_compare.add_parsers(sub, _engine_args, _workload_args)
+
     p = sub.add_parser("trace-info", help="describe a .kvtrace file")
     p.add_argument("file")
     p.set_defaults(func=cmd_trace_info)

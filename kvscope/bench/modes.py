@@ -40,6 +40,17 @@ def _workload(config: EngineConfig, options: BenchOptions, vocab: int, eos: froz
     return [replace(item, arrival=0.0) for item in items]
 
 
+def bench_items(config: EngineConfig, options: BenchOptions) -> tuple[list, str]:
+    """The bench's requests for this model (all arriving at t=0), and the device it runs on."""
+    from kvscope.engine.llm_engine import LLMEngine
+
+    probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
+    items = _workload(config, options, probe.loaded.vocab_size, probe.loaded.eos_token_ids)
+    device = str(probe.device)
+    del probe
+    return items, device
+
+
 def _row(name: str, m: MetricsCollector, preemptions: int, kv_waste: float | None, extra: dict | None = None) -> dict:
     s = m.summary(preemptions=preemptions, kv_waste=kv_waste or 0.0, steps=0)
     row = {
@@ -57,8 +68,15 @@ def _row(name: str, m: MetricsCollector, preemptions: int, kv_waste: float | Non
     return row
 
 
-def run_mode(config: EngineConfig, items, make_sink=None):
-    """Serve items through one engine; make_sink(engine), if given, builds the sink attached after warm-up."""
+def mode_row(name: str, engine, server) -> dict:
+    """One bench row for a kvscope run (also what `kvscope race` reports for it)."""
+    return _row(name, server.metrics, engine.num_preemptions, engine.mean_kv_waste,
+                {"steps": engine.scheduler.step_count})
+
+
+def run_mode(config: EngineConfig, items, make_sink=None, on_progress=None):
+    """Serve items through one engine; make_sink(engine), if given, builds the sink attached after warm-up;
+    on_progress(n) is called as requests finish."""
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.serve.driver import ServeOptions, Server
 
@@ -66,7 +84,7 @@ def run_mode(config: EngineConfig, items, make_sink=None):
     _warm_up(engine)
     if make_sink is not None:
         engine.attach(make_sink(engine))
-    server = Server(engine, ServeOptions(verbose_rejects=False))
+    server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress)
     server.run(items)
     engine.close()
     return engine, server
@@ -87,7 +105,6 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
 
     from kvscope.bench.peers import PEERS
     from kvscope.engine.config import MODES
-    from kvscope.engine.llm_engine import LLMEngine
 
     # Check every row's name before spending minutes on the first ones.
     for mode in options.modes:
@@ -96,16 +113,12 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     for peer in options.peers:
         if peer not in PEERS:
             raise ValueError(f"unknown peer {peer!r} (choose from {', '.join(PEERS)})")
-    probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
-    items = _workload(config, options, probe.loaded.vocab_size, probe.loaded.eos_token_ids)
-    device = str(probe.device)
-    del probe
+    items, device = bench_items(config, options)
     rows = []
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
         engine, server = run_mode(replace(config, mode=mode), items)
-        rows.append(_row(mode, server.metrics, engine.num_preemptions, engine.mean_kv_waste,
-                         {"steps": engine.scheduler.step_count}))
+        rows.append(mode_row(mode, engine, server))
     for peer in options.peers:
         log(f"[bench] {peer} ...", file=sys.stderr)
         rows.append(PEERS[peer](config, items))

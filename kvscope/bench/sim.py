@@ -50,7 +50,7 @@ def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_promp
 
 
 def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> list[dict]:
-    from kvscope.bench.modes import _row, run_mode
+    from kvscope.bench.modes import run_mode
 
     rows = []
     for mode in modes:
@@ -58,12 +58,20 @@ def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> l
         wall = time.perf_counter()
         engine, server = run_mode(replace(config, mode=mode), items)
         wall = time.perf_counter() - wall
-        steps = engine.scheduler.step_count
-        rows.append(_row(mode, server.metrics, engine.num_preemptions, engine.mean_kv_waste, {
-            "steps": steps, "ttft_p50_s": server.summary().ttft_p50_s, "itl_p50_s": server.summary().itl_p50_s,
-            "num_blocks": engine.num_blocks, "sim_wall_s": wall, "sim_steps_per_s": steps / wall if wall else None,
-        }))
+        rows.append(sim_row(mode, engine, server, wall))
     return rows
+
+
+def sim_row(name: str, engine, server, wall: float) -> dict:
+    """One sim bench row (also what `kvscope race --backend sim` reports for a run)."""
+    from kvscope.bench.modes import _row
+
+    steps = engine.scheduler.step_count
+    summary = server.summary()
+    return _row(name, server.metrics, engine.num_preemptions, engine.mean_kv_waste, {
+        "steps": steps, "ttft_p50_s": summary.ttft_p50_s, "itl_p50_s": summary.itl_p50_s,
+        "num_blocks": engine.num_blocks, "sim_wall_s": wall, "sim_steps_per_s": steps / wall if wall else None,
+    })
 
 
 def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None, modes: list[str] | None = None,
@@ -227,7 +235,7 @@ def cmd_bench_sim(args, engine_config, write_json) -> int:
         print_fragmentation(result)
     elif args.preset:
         preset = load_preset(args.preset)
-        result = run_lesson(preset, _explicit_engine_overrides(args))
+        result = run_lesson(preset, preset_overrides(args))
         print_table(result)
         print_comparison(result)
         print_speed(result)
@@ -243,7 +251,7 @@ def cmd_bench_sim(args, engine_config, write_json) -> int:
     return 0
 
 
-def _explicit_engine_overrides(args) -> dict:
+def preset_overrides(args) -> dict:
     """Sim flags given on the command line on top of a preset (their argparse defaults are None)."""
     keys = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

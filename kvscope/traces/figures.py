@@ -1,0 +1,125 @@
+"""A run's headline figures from its events alone: what `kvscope bench` prints for it.
+
+`RunFigures` folds a trace's events, in order, into the bench row's figures (output
+tok/s, TTFT mean/p50/p99, ITL p50/p99, preemptions, mean KV waste), with the same
+definitions the engine's own MetricsCollector uses:
+- only finished requests count (a request's TTFT, e2e and output tokens come from its
+  `finish` record; its ITL gaps from the step `itl` samples);
+- tok/s = output tokens / (last finish - first arrival), over finished requests;
+- percentiles are nearest-rank (docs/METRICS.md);
+- KV waste is the mean over steps with allocated blocks of (tail + reserve waste) /
+  allocated slots.
+So a trace recorded by `kvscope race` gives the same row as bench for that run.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any, Iterable
+
+from ..protocol.events import RequestEvent, StepEvent
+
+
+def nearest_rank(ordered: "array | list", q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of an already sorted sequence."""
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return float(ordered[min(rank, len(ordered)) - 1])
+
+
+class RunFigures:
+    """Streaming accumulator: ``add`` every event, then ``row()``. Memory: 8 bytes per sample."""
+
+    def __init__(self) -> None:
+        self.arrivals: dict[int, float] = {}
+        self.itl_by_req: dict[int, array] = {}
+        self.ttft = array("d")
+        self.itl = array("d")
+        self.output_tokens = 0
+        self.finished = 0
+        self.requests = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.first_arrival: float | None = None
+        self.last_finish: float | None = None
+        self._waste_sum = 0.0
+        self._waste_steps = 0
+
+    def add(self, ev: Any) -> None:
+        t = type(ev)
+        if t is StepEvent:
+            self._step(ev)
+        elif t is RequestEvent:
+            if ev.req not in self.arrivals:
+                self.requests += 1
+            self.arrivals[ev.req] = float(ev.arrival)
+
+    def add_all(self, events: Iterable) -> "RunFigures":
+        for ev in events:
+            self.add(ev)
+        return self
+
+    def _step(self, ev: StepEvent) -> None:
+        self.steps += 1
+        self.preemptions += len(ev.preemptions)
+        for s in ev.itl:
+            gaps = self.itl_by_req.get(s.req)
+            if gaps is None:
+                gaps = self.itl_by_req[s.req] = array("d")
+            gaps.append(s.gap)
+        for f in ev.finished:
+            self.finished += 1
+            self.output_tokens += f.output_len
+            if f.ttft is not None:
+                self.ttft.append(f.ttft)
+            gaps = self.itl_by_req.pop(f.req, None)
+            if gaps is not None:
+                self.itl.extend(gaps)
+            arrival = self.arrivals.get(f.req)
+            if arrival is not None:
+                if self.first_arrival is None or arrival < self.first_arrival:
+                    self.first_arrival = arrival
+                if f.e2e is not None:
+                    end = arrival + f.e2e
+                    if self.last_finish is None or end > self.last_finish:
+                        self.last_finish = end
+        kv = ev.kv
+        bs = self.block_size
+        allocated = kv.used * bs
+        if allocated:
+            self._waste_sum += (kv.tail_waste + kv.reserve_waste) / allocated
+            self._waste_steps += 1
+
+    block_size = 16  # set from the trace's hello by `figures_of`
+
+    def row(self, name: str = "") -> dict[str, Any]:
+        """The bench row's figures (same keys as `kvscope bench --json` rows)."""
+        ttft = sorted(self.ttft)
+        itl = sorted(self.itl)
+        span = (self.last_finish or 0.0) - (self.first_arrival or 0.0)
+        return {
+            "name": name,
+            "output_tok_per_s": self.output_tokens / span if span > 0 else 0.0,
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
+            "ttft_p50_s": nearest_rank(ttft, 50),
+            "ttft_p99_s": nearest_rank(ttft, 99),
+            "itl_p50_s": nearest_rank(itl, 50),
+            "itl_p99_s": nearest_rank(itl, 99),
+            "preemptions": self.preemptions,
+            "kv_waste": self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
+            "output_tokens": self.output_tokens,
+            "duration_s": span,
+            "steps": self.steps,
+            "finished": self.finished,
+            "requests": self.requests,
+        }
+
+
+def figures_of(events: Iterable, block_size: int = 16, name: str = "") -> dict[str, Any]:
+    """One pass over a run's events (hello first or not) to its bench row."""
+    acc = RunFigures()
+    acc.block_size = max(1, int(block_size))
+    acc.add_all(events)
+    return acc.row(name)
