@@ -92,16 +92,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvscope.workload import load_spec
 
     load_spec(args.workload)  # fail on a bad workload before loading the model
+    front = _front_end_check(args)
     engine = LLMEngine(_engine_config(args))
-    sinks, control = _open_outputs(args, engine)
+    front = front(engine) if front else None
+    sinks, control = _open_outputs(args, engine, extra_sinks=[front.sink] if front else [])
+    # with the HTTP API the engine serves until stopped; synthetic traffic only with --forever
+    http_only = front is not None and front.http_address is not None and not args.forever
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
-                           forever=args.forever, burst_every_s=args.burst_every)
+                           forever=args.forever or http_only, burst_every_s=args.burst_every)
     progress = _progress_bar(args, options, engine)
-    server = Server(engine, options, control=control, on_progress=progress.update if progress else None)
     reason = "drained"
     original_handlers = _stop_on_sigterm()
+    server = Server(engine, options, control=control, on_progress=progress.update if progress else None,
+                    inbox=front.bridge if front else None)
     try:
-        summary = server.run()
+        if front is not None:
+            front.start()
+        summary = server.run(items=() if http_only else None)
     except KeyboardInterrupt:
         reason = "interrupted"
         summary = server.summary()
@@ -109,6 +116,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _ignore_stop_signals()  # a second SIGTERM or Ctrl-C must not cut the trace's index short
         if progress:
             progress.close()
+        if front is not None:
+            front.close()
         engine.close(reason)
         for sink in sinks:
             sink.close()
@@ -119,6 +128,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, {"config": engine.hello().config, "summary": summary.to_dict()})
     return 0
+
+
+def _front_end_check(args):
+    """Check --http / --metrics-port before loading the model; returns engine -> FrontEnd, or None."""
+    if not args.http and args.metrics_port is None:
+        return None
+    from kvscope.serve.frontend import FrontEnd, parse_host_port
+
+    if args.http:
+        parse_host_port(args.http, args.allow_remote)
+    name = args.served_model_name or args.model
+    return lambda engine: FrontEnd(engine, http=args.http, metrics_port=args.metrics_port, served_model_name=name,
+                                   allow_remote=args.allow_remote, max_waiting=getattr(args, "max_waiting", None))
 
 
 def _stop_on_sigterm() -> dict:
@@ -150,9 +172,9 @@ def _restore_signals(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _open_outputs(args, engine):
+def _open_outputs(args, engine, extra_sinks=()):
     """Event publisher, trace recorder and control socket, as asked for on the command line."""
-    sinks = []
+    sinks = list(extra_sinks)
     control = None
     if args.events:
         from kvscope.protocol.transport import ZmqPublisher
@@ -280,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record", metavar="FILE", help="record a .kvtrace file")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    h = p.add_argument_group("HTTP API (docs/HTTP.md) and Prometheus metrics (docs/METRICS.md)")
+    h.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI API, e.g. 127.0.0.1:8000 (synthetic "
+                   "traffic then runs only with --forever)")
+    h.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for (default: --model)")
+    h.add_argument("--metrics-port", type=int, metavar="N", help="also serve /metrics alone on port N")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="compare the four modes and transformers on one workload")

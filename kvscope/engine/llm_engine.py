@@ -89,6 +89,7 @@ class LLMEngine:
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot_t = 0.0
         self._next_id = 0
+        self._to_abort: list[tuple[int, str]] = []  # (req_id, reason), applied at the start of the next step
         self.reset_counters()
         self.wall_start = time.time()
         # wall time starts once the model is loaded; the sim runs on its own virtual clock
@@ -168,7 +169,7 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival: float | None = None) -> int:
+                    arrival: float | None = None, source: str = "") -> int:
         """Queue a request; raises RequestRejected (after publishing a reject) if it cannot be served."""
         req_id = self._next_id
         self._next_id += 1
@@ -181,7 +182,7 @@ class LLMEngine:
             if self.sink is not None:
                 self.sink.publish(RejectEvent(req_id, str(e), self.now()))
             raise RequestRejected(str(e)) from None
-        req = Request(req_id, token_ids, params, arrival, priority)
+        req = Request(req_id, token_ids, params, arrival, priority, source=source)
         self.scheduler.add(req)
         if self.sink is not None:
             self.sink.publish(telemetry.request_event(req))
@@ -197,13 +198,19 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise KvscopeError(f"prompt of {n} tokens leaves no room to generate within max_model_len {self.max_model_len}")
 
+    def abort_request(self, req_id: int, reason: str = "abort") -> None:
+        """End a request at the next step (finish reason `reason`); unknown or finished ids are ignored."""
+        self._to_abort.append((req_id, reason))
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._to_abort)
 
     def step(self) -> list[Request]:
-        """One iteration; returns the requests that finished in it."""
+        """One iteration; returns the requests that finished in it (aborted ones first)."""
         sched = self.scheduler
         t_start = self.now()
+        aborted = [r for r in (sched.abort(rid, t_start, why) for rid, why in self._to_abort) if r is not None]
+        self._to_abort = []
         out = sched.schedule(t_start)
         if out.has_copies:
             self.swapper.apply(out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
@@ -211,7 +218,7 @@ class LLMEngine:
         sampled = self.runner.run(out, params)
         t_end = self.now()
         sampled_reqs = [sched.requests[r] for r in sampled]
-        finished = sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
+        finished = aborted + sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
         self.num_preemptions += len(out.preempted)
         deltas = self.block_manager.drain_deltas()
         kv = sched.kv_counters()

@@ -41,6 +41,7 @@ class Request:
     params: SamplingParams
     arrival: float
     priority: int = 0
+    source: str = ""  # where it came from: "" (the engine's own workload) or "http"
     status: RequestStatus = RequestStatus.WAITING
     # prompt followed by every generated token; KV exists for the first num_computed_tokens
     token_ids: list[int] = field(default_factory=list)
@@ -53,7 +54,7 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "max_model_len"
+    finish_reason: str | None = None  # "stop", "length", "max_model_len", "abort"
     # static mode: generation ended but the row keeps its slot until the batch ends
     done_generating: bool = False
 

@@ -37,6 +37,7 @@ from kvscope.protocol.events import (
     BLOCKED_KV,
     BLOCKED_SEQS,
     BLOCKED_STATIC,
+    FINISH_ABORT,
     VERDICT_ADMITTED,
     VERDICT_BLOCKED,
     VERDICT_IDLE,
@@ -357,6 +358,27 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             return "max_model_len"
         return None
+
+    # ---- abort ------------------------------------------------------------------------
+    def abort(self, req_id: int, now: float, reason: str = FINISH_ABORT) -> Request | None:
+        """End a live request between steps (its client left): it leaves its queue, its blocks are
+        freed (or stay cached with prefix caching), swapped KV is dropped. None if it is not live."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+            if req.status is RequestStatus.SWAPPED:
+                self.swap_pool.drop(req_id)
+        req.finish_reason = reason
+        self.bm.free(req.req_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_time = now
+        self._finished_since_last.append(req.req_id)
+        del self.requests[req.req_id]
+        return req
 
     def _release(self, req: Request, now: float) -> None:
         self.running.remove(req)

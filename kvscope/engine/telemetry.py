@@ -28,7 +28,8 @@ from kvscope.protocol.events import (
 
 
 def request_event(req: Request) -> RequestEvent:
-    return RequestEvent(req.req_id, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.arrival)
+    return RequestEvent(req.req_id, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.arrival,
+                        source=req.source)
 
 
 def finish_record(req: Request) -> Finish:
@@ -90,6 +91,7 @@ def request_state(req: Request) -> RequestState:
         ttft=req.ttft,
         preemptions=req.num_preemptions,
         cached_tokens=req.num_cached_tokens,
+        source=req.source,
     )
 
 

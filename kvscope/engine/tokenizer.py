@@ -14,7 +14,9 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0-255; special tokens sit above them."""
+    """UTF-8 bytes are ids 0-255; special tokens sit above them. No chat template."""
+
+    has_chat_template = False
 
     NUM_BYTES = 256
     EOS, BOS, PAD, UNK = 256, 257, 258, 259
@@ -44,3 +46,11 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The checkpoint's chat template applied to messages, ending with the assistant's turn."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

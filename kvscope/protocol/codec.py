@@ -306,7 +306,8 @@ _KV = _Rec(E.KvCounters, {n: _U for n in (f.name for f in fields(E.KvCounters))}
 
 _SCHEMA: dict[type, dict[str, Any]] = {
     E.HelloEvent: {"version": _I, "config": _Config(), "wall_start": _F},
-    E.RequestEvent: {"req": _I, "prompt_len": _U, "max_tokens": _U, "priority": _I, "arrival": _F},
+    E.RequestEvent: {"req": _I, "prompt_len": _U, "max_tokens": _U, "priority": _I, "arrival": _F,
+                     "source": _Str(16)},
     E.RejectEvent: {"req": _I, "reason": _NAME, "t": _F},
     E.StepEvent: {
         "step": _I,
@@ -362,6 +363,7 @@ _SCHEMA: dict[type, dict[str, Any]] = {
                     "ttft": _Opt(_F),
                     "preemptions": _U,
                     "cached_tokens": _U,
+                    "source": _Str(16),
                 },
             )
         ),

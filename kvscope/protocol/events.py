@@ -28,6 +28,14 @@ VERDICT_ADMITTED, VERDICT_BLOCKED, VERDICT_IDLE = "admitted", "blocked", "idle"
 
 PREFILL, DECODE = "prefill", "decode"
 
+# Why a request finished (Finish.reason). "abort" was added within v1: the request was
+# ended early (its HTTP client disconnected); older streams never carry it.
+FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT = "stop", "length", "max_model_len", "abort"
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT)
+
+# Where a request came from (RequestEvent.source, RequestState.source; added within v1).
+SOURCE_ENGINE, SOURCE_HTTP = "", "http"  # "": the engine's own workload or control injections
+
 
 @dataclass(slots=True)
 class BatchEntry:
@@ -75,7 +83,7 @@ class Finish:
     ttft: float
     e2e: float
     output_len: int
-    reason: str  # "stop", "length", "max_model_len"
+    reason: str  # one of FINISH_REASONS
 
 
 @dataclass(slots=True)
@@ -134,6 +142,7 @@ class RequestEvent:
     max_tokens: int
     priority: int
     arrival: float
+    source: str = SOURCE_ENGINE  # SOURCE_HTTP for a request sent to the HTTP API (optional: older streams omit it)
     type: str = "request"
 
 
@@ -187,6 +196,7 @@ class RequestState:
     ttft: float | None
     preemptions: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (added with prefix caching)
+    source: str = SOURCE_ENGINE  # as in RequestEvent (added with the HTTP API)
 
 
 @dataclass(slots=True)

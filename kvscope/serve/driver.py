@@ -36,10 +36,11 @@ class ServeOptions:
 
 class Server:
     def __init__(self, engine: LLMEngine, options: ServeOptions, control=None,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int], None] | None = None, inbox=None) -> None:
         self.engine = engine
         self.options = options
         self.control = control
+        self.inbox = inbox  # kvscope.serve.bridge.EngineBridge: HTTP requests (poll / wait / after_step)
         self.on_progress = on_progress
         self.metrics = MetricsCollector()
         self.paused = False
@@ -111,6 +112,8 @@ class Server:
             now = self.engine.now()
             if self.control is not None:
                 self._handle_control(now - start)
+            if self.inbox is not None:
+                self.inbox.poll()
             while self._injected:
                 item = self._injected.pop(0)
                 self._submit(item, start + item.arrival)
@@ -118,8 +121,11 @@ class Server:
                 self._submit(upcoming, start + upcoming.arrival)
                 upcoming = next(source, None)
             if not self.paused and self.engine.has_unfinished():
-                for req in self.engine.step():
+                finished = self.engine.step()
+                for req in finished:
                     self._finished(req)
+                if self.inbox is not None:
+                    self.inbox.after_step(finished)
             elif upcoming is None and not self.options.forever and not self.engine.has_unfinished():
                 break
             else:
@@ -129,8 +135,13 @@ class Server:
                     clock.sleep_until(start + upcoming.arrival)  # virtual time: jump the idle gap
                 else:
                     pause = max(0.0, min(wait, IDLE_POLL_S))
+                    if self.inbox is not None and not clock.jumps:
+                        self.inbox.wait(pause)  # wakes at once when an HTTP request arrives
+                        continue
                     clock.sleep_until(self.engine.now() + pause)
-                    if clock.jumps:
+                    if clock.jumps and self.inbox is not None:
+                        self.inbox.wait(pause)  # virtual time: wait for the human or an HTTP client
+                    elif clock.jumps:
                         time.sleep(pause)  # paused on virtual time: wait for the human, not the clock
         return self.summary()
 

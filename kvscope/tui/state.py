@@ -105,6 +105,7 @@ class ReqView:
     ttft: float | None = None
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    source: str = ""  # "http" for a request sent to the HTTP API
     swaps: int = 0  # times swapped out to CPU
     chunks_done: int = 0  # prefill chunks in the current prefill pass
     total_chunks: int = 0  # prefill chunks over the request's life
@@ -382,6 +383,7 @@ def _request(state: TuiState, ev: RequestEvent) -> None:
     r.max_tokens = ev.max_tokens
     r.priority = ev.priority
     r.arrival = ev.arrival
+    r.source = ev.source
     r.prefill_target = max(r.prefill_target, ev.prompt_len)
     r.known = True
     r.log.append(LogEntry(LOG_QUEUED, state.step + 1 if state.step >= 0 else 0, ev.arrival))
@@ -654,6 +656,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
         r.max_tokens = rs.max_tokens
         r.priority = rs.priority
         r.arrival = rs.arrival
+        r.source = rs.source
         r.state = rs.state
         r.computed = rs.computed
         r.output_len = rs.output_len

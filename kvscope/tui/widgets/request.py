@@ -75,6 +75,8 @@ class RequestSummary(RequestWidget):
         if r.finish_reason:
             t.append(f"({r.finish_reason}) ", style=pal.dim)
         t.append(f" prio {r.priority}")
+        if r.source:
+            t.append(f" · from {r.source.upper()}", style=f"bold {pal.ok}")
         l2 = Text(no_wrap=True, overflow="ellipsis")
         done, total = st.chunks(r)
         l2.append(f" prompt {r.prompt_len} · computed {r.computed} · chunks {done}/{total} (life {r.total_chunks})"

@@ -1,0 +1,205 @@
+"""The crossing between HTTP handlers and the engine thread.
+
+Handlers (on the server's event loop) put jobs and aborts on one thread-safe
+queue. The engine thread drains it between steps (`poll`), blocks on it when idle
+(`wait`, no busy waiting), and after every step hands each live job its new text
+(`after_step`) through the job's own `deliver` callback, which the handler made
+thread-safe (``loop.call_soon_threadsafe``). Detokenizing and stop strings are
+checked here, on the engine thread, so a stop string ends its request before the
+next step computes another token for it.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.protocol.events import FINISH_ABORT, FINISH_STOP, SOURCE_HTTP
+
+REJECTED, ACCEPTED, DELTA, DONE = "rejected", "accepted", "delta", "done"
+# why a job was refused before it reached the scheduler (the HTTP layer picks the status code)
+TOO_LONG, BAD_PROMPT, QUEUE_FULL, STOPPED = "context_length_exceeded", "bad_prompt", "queue_full", "stopped"
+
+
+@dataclass(slots=True)
+class Update:
+    kind: str  # REJECTED, ACCEPTED, DELTA or DONE
+    text: str = ""  # new output text (DELTA, DONE)
+    finish_reason: str | None = None  # DONE: the engine's reason ("stop", "length", "max_model_len", "abort")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated so far
+    error: str = ""  # REJECTED
+    code: str = ""  # REJECTED: TOO_LONG, BAD_PROMPT, QUEUE_FULL or STOPPED
+
+
+@dataclass(eq=False)
+class Job:
+    """One HTTP request on its way to the engine. `deliver` must be safe to call from the engine thread."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    deliver: Callable[[Update], None]
+    priority: int = 0
+    stop: list[str] = field(default_factory=list)
+    default_max_tokens: bool = False  # max_tokens was not given: fill the context (chat's default)
+    req_id: int | None = None
+    stream: "TextStream | None" = None
+
+
+class TextStream:
+    """Output ids -> text, holding back what could still change: a cut UTF-8 sequence, a stop string's start."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already handed out
+
+    def add(self, ids: list[int]) -> bool:
+        """Append new ids; True if a stop string now appears (the text is cut before it)."""
+        self.ids.extend(ids)
+        self.text = self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
+        start = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            end -= self.hold
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1  # maybe half a character: the next token may complete it
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+class EngineBridge:
+    def __init__(self, engine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, Job] = {}
+        self.closed = False
+
+    # ---- any thread ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        if self.closed:
+            job.deliver(Update(REJECTED, error="the engine is stopping", code=STOPPED))
+        else:
+            self._inbox.put(("add", job))
+
+    def abort(self, job: Job) -> None:
+        """The client left: end its request at the next step (no-op once it is done)."""
+        self._inbox.put(("abort", job))
+
+    # ---- the engine thread -------------------------------------------------------------
+    def poll(self) -> None:
+        while True:
+            try:
+                self._handle(*self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def wait(self, timeout: float) -> None:
+        """Block until something arrives or timeout passes; handle all of it."""
+        try:
+            self._handle(*self._inbox.get(timeout=max(0.0, timeout)))
+        except queue.Empty:
+            return
+        self.poll()
+
+    def _handle(self, what: str, job: Job) -> None:
+        if what == "add":
+            self._add(job)
+        elif job.req_id is not None and self._live.pop(job.req_id, None) is not None:
+            self.engine.abort_request(job.req_id, FINISH_ABORT)
+
+    def _add(self, job: Job) -> None:
+        engine = self.engine
+        waiting = len(engine.scheduler.waiting)
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            job.deliver(Update(REJECTED, error=f"too many requests waiting ({waiting}, the cap is "
+                               f"{self.max_waiting}); retry later", code=QUEUE_FULL))
+            return
+        try:
+            ids = engine.tokenize(job.prompt)
+        except KvscopeError:
+            ids = None  # add_request below refuses it the same way, and publishes the reject event
+        code = BAD_PROMPT
+        if ids is not None:
+            room = engine.max_model_len - len(ids)
+            if job.default_max_tokens and room > 0:
+                job.params.max_tokens = room
+            if 0 < room < job.params.max_tokens:
+                job.deliver(Update(REJECTED, code=TOO_LONG, error=(
+                    f"this model's maximum context length is {engine.max_model_len} tokens; the request asks for "
+                    f"{len(ids) + job.params.max_tokens} ({len(ids)} in the prompt, {job.params.max_tokens} to "
+                    f"generate)")))
+                return
+            if room <= 0 or len(ids) > engine.block_manager.capacity_tokens:
+                code = TOO_LONG
+        try:
+            job.req_id = engine.add_request(ids if ids is not None else job.prompt, job.params, job.priority,
+                                            source=SOURCE_HTTP)
+        except RequestRejected as e:
+            job.deliver(Update(REJECTED, error=str(e), code=code))
+            return
+        job.stream = TextStream(engine.tokenizer, job.stop)
+        self._live[job.req_id] = job
+        job.deliver(Update(ACCEPTED, prompt_tokens=len(ids)))
+
+    def after_step(self, finished: list) -> None:
+        """Hand every live job its new text; finish the jobs whose requests ended (or hit a stop string)."""
+        if not self._live:
+            return
+        ended = {r.req_id: r for r in finished}
+        requests = self.engine.scheduler.requests
+        for rid, job in list(self._live.items()):
+            req = ended.get(rid) or requests.get(rid)
+            if req is None:
+                continue
+            stream = job.stream
+            new = req.output_token_ids[len(stream.ids):]
+            stopped = stream.add(new) if new else False
+            done = stopped or rid in ended
+            if not new and not done:
+                continue
+            text = stream.take(final=done)
+            n_out, n_prompt = req.num_output_tokens, req.num_prompt_tokens
+            if not done:
+                if text:
+                    job.deliver(Update(DELTA, text, prompt_tokens=n_prompt, completion_tokens=n_out))
+                continue
+            reason = FINISH_STOP if stopped else req.finish_reason
+            if stopped and rid not in ended:
+                self.engine.abort_request(rid, FINISH_STOP)  # a stop string: the engine ends it at the next step
+            del self._live[rid]
+            job.deliver(Update(DONE, text, reason, prompt_tokens=n_prompt, completion_tokens=n_out))
+
+    def close(self) -> None:
+        """The engine stops: every waiting handler gets an answer."""
+        self.closed = True
+        while True:
+            try:
+                what, job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if what == "add":
+                job.deliver(Update(REJECTED, error="the engine is stopping", code=STOPPED))
+        for job in self._live.values():
+            job.deliver(Update(DONE, finish_reason=FINISH_ABORT))
+        self._live.clear()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)

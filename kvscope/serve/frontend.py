@@ -1,0 +1,91 @@
+"""What `kvscope serve --http / --metrics-port` starts beside the engine loop, and stops after it."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from kvscope.engine.errors import KvscopeError
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def parse_host_port(value: str, allow_remote: bool, what: str = "--http") -> tuple[str, int]:
+    """"HOST:PORT" (or ":PORT", or "[::1]:PORT") -> (host, port); a non-loopback host needs allow_remote."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise KvscopeError(f"{what} takes HOST:PORT, e.g. 127.0.0.1:8000 (got {value!r})")
+    host = host.strip("[]") or "127.0.0.1"
+    check_loopback(host, allow_remote, what)
+    return host, int(port)
+
+
+def check_loopback(host: str, allow_remote: bool, what: str) -> None:
+    if allow_remote or host in LOOPBACK_NAMES:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise KvscopeError(f"{what} {host} is not a loopback address; pass --allow-remote to serve other hosts")
+
+
+def chat_template_of(tokenizer):
+    """The tokenizer's chat template as messages -> prompt text, or None (then the plain join is used)."""
+    render = getattr(tokenizer, "render_chat", None)
+    return render if render is not None and getattr(tokenizer, "has_chat_template", False) else None
+
+
+class FrontEnd:
+    """The HTTP API (with /metrics) and/or a bare /metrics server, around one engine."""
+
+    def __init__(self, engine, *, http: str | None, metrics_port: int | None, served_model_name: str,
+                 allow_remote: bool, max_waiting: int | None = None) -> None:
+        from kvscope.serve.metrics import PrometheusSink
+
+        from kvscope.serve.bridge import EngineBridge
+
+        self.engine = engine
+        self.metrics = PrometheusSink(served_model_name)
+        self.http_address = parse_host_port(http, allow_remote) if http else None
+        self.bridge = EngineBridge(engine, max_waiting=max_waiting) if http else None
+        self.http = None
+        self._metrics_server = None
+        self._metrics_port = metrics_port
+        self.served_model_name = served_model_name
+        self.allow_remote = allow_remote
+        if metrics_port is not None and not 0 < metrics_port <= 65535:
+            raise KvscopeError(f"--metrics-port takes a port number 1..65535 (got {metrics_port})")
+
+    @property
+    def sink(self):
+        return self.metrics
+
+    def start(self) -> None:
+        if self.http_address is not None:
+            from kvscope.serve.http import ApiInfo, HttpFrontEnd, HttpServer
+
+            info = ApiInfo(self.served_model_name, self.engine.max_model_len,
+                           chat_template_of(self.engine.tokenizer), self.metrics)
+            self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address)
+            self.http.start()
+        if self._metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            host = "0.0.0.0" if self.allow_remote else "127.0.0.1"
+            try:
+                self._metrics_server = start_http_server(self._metrics_port, addr=host,
+                                                         registry=self.metrics.registry)
+            except OSError as e:
+                raise KvscopeError(f"cannot serve metrics on {host}:{self._metrics_port}: {e.strerror}") from None
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+        if self.http is not None:
+            self.http.stop()
+        if self._metrics_server is not None:
+            server, thread = self._metrics_server
+            server.shutdown()
+            server.server_close()
+            thread.join(2.0)

@@ -1,0 +1,236 @@
+"""The OpenAI HTTP API against the official client: completions, chat, streaming, stop, abort, bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvscope.engine import LLMEngine, SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
+from tests._serve import serving
+
+CONFIG = dict(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def live():
+    with serving(EngineConfig(**CONFIG)) as live:
+        yield live
+
+
+@pytest.fixture
+def client(live):
+    with openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def _greedy_text(prompt, n: int) -> str:
+    """What the engine itself generates (greedy, ignoring EOS), without HTTP."""
+    engine = LLMEngine(EngineConfig(**CONFIG))
+    engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished():
+        done = engine.step()
+    return engine.tokenizer.decode(done[0].output_token_ids)
+
+
+def test_completion_plain_and_streaming_match_the_engine(live, client):
+    want = _greedy_text("The scheduler", 12)
+    plain = client.completions.create(model="tiny", prompt="The scheduler", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.object == "text_completion" and plain.model == "tiny"
+    assert plain.choices[0].text == want and plain.choices[0].finish_reason == "length"
+    assert plain.usage.prompt_tokens == len("The scheduler".encode()) and plain.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="tiny", prompt="The scheduler", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_prompt_as_token_ids(live, client):
+    ids = [72, 101, 108, 108, 111]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _greedy_text(ids, 6)
+    assert out.usage.prompt_tokens == 5
+
+
+def test_chat_plain_and_streaming(live, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = "system: be brief\nuser: hi\nassistant: "  # the documented join (the tiny tokenizer has no template)
+    want = _greedy_text(prompt, 8)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert plain.object == "chat.completion"
+    assert plain.choices[0].message.role == "assistant" and plain.choices[0].message.content == want
+    assert plain.usage.prompt_tokens == len(prompt.encode())
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+    assert stream[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in stream)  # no include_usage: no usage chunk
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(live, client):
+    full = _greedy_text("stop here", 24)
+    # an ASCII character: the text before it decodes the same however the bytes are split
+    at = next(i for i, ch in enumerate(full) if i >= 3 and ch.isascii() and ch.isprintable())
+    stop = full[at]
+    out = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == full[: full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 24
+    live.wait_until(live.idle, what="the stopped request to leave the engine")
+    finish = [f for s in live.recorder.of_type("step") for f in s.finished][-1]
+    assert finish.reason == "stop" and finish.output_len == out.usage.completion_tokens
+
+
+def test_seeded_sampling_is_reproducible(live, client):
+    kw = dict(model="tiny", prompt="dice", max_tokens=10, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_http_requests_are_engine_requests_marked_http(live, client):
+    before = len(live.recorder.of_type("request"))
+    client.completions.create(model="tiny", prompt="mark", max_tokens=2, extra_body={"priority": 3})
+    new = live.recorder.of_type("request")[before:]
+    assert len(new) == 1 and new[0].source == SOURCE_HTTP and new[0].priority == -3  # vLLM: lower is first
+
+
+def test_models_and_health(live):
+    models = httpx.get(live.base_url + "/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert httpx.get(live.base_url + "/health").status_code == 200
+
+
+def _generation_tokens(live) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live.base_url + "/metrics").text
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "vllm:generation_tokens":
+            return sum(s.value for s in fam.samples if s.name == "vllm:generation_tokens_total")
+    raise AssertionError("vllm:generation_tokens_total missing")
+
+
+def test_64_concurrent_streams_count_exactly_the_tokens_clients_received(live):
+    live.wait_until(live.idle, what="an idle engine")
+    before = _generation_tokens(live)
+
+    async def one(client, i):
+        stream = await client.completions.create(model="tiny", prompt=f"stream {i}", max_tokens=5 + i % 7,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    received = asyncio.run(main())
+    assert received == [5 + i % 7 for i in range(64)]
+    live.wait_until(live.idle, what="an idle engine")
+    assert _generation_tokens(live) - before == sum(received)
+
+
+def test_clients_hanging_up_leave_nothing_running(live):
+    live.wait_until(live.idle, what="an idle engine")
+    aborts_before = sum(f.reason == FINISH_ABORT for s in live.recorder.of_type("step") for f in s.finished)
+    body = {"model": "tiny", "prompt": "long one", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=live.base_url, timeout=30) as http:
+        for i in range(6):
+            with http.stream("POST", "/v1/completions", json={**body, "prompt": f"long {i}"}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]  # a few tokens in, then hang up
+                assert got[0].startswith("data: ")
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(live.base_url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    live.wait_until(live.idle, timeout=10, what="the aborted requests to leave the engine")
+    aborts = sum(f.reason == FINISH_ABORT for s in live.recorder.of_type("step") for f in s.finished)
+    assert aborts - aborts_before == 7
+    assert live.engine.block_manager.num_used == 0
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"prompt": "x"}).encode(), 400, "model"),
+    (json.dumps({"model": "tiny"}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"model": "tiny", "prompt": "x", "logprobs": 3}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": [1, 2, 99999]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": [1, -1]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x" * 600}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x" * 100, "max_tokens": 500}).encode(), 400, "prompt"),
+    (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_completion_requests_get_openai_errors(live, body, status, param):
+    r = httpx.post(live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_bad_chat_requests_and_the_client_errors(live, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 600}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"
+    too_long = "x" * 600
+    tokens = [t for t in range(3)]
+    assert client.completions.create(model="tiny", prompt=tokens, max_tokens=2).usage.completion_tokens >= 1
+    assert too_long  # the engine kept serving after all of the above
+
+
+def test_oversize_body_and_unknown_route(live):
+    r = httpx.post(live.base_url + "/v1/completions", content=b"x" * (5 << 20))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(live.base_url + "/v1/nothing")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_waiting_cap_answers_429_and_serving_goes_on():
+    with serving(EngineConfig(**CONFIG), max_waiting=2) as live:
+        live.driver.paused = True  # requests queue up and wait
+        body = {"model": "tiny", "prompt": "q", "max_tokens": 2, "stream": True}
+        with httpx.Client(base_url=live.base_url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as a, \
+                    http.stream("POST", "/v1/completions", json=body) as b:
+                assert a.status_code == 200 and b.status_code == 200
+                live.wait_until(lambda: len(live.engine.scheduler.waiting) == 2, what="two waiting requests")
+                r = http.post("/v1/completions", json={**body, "stream": False})
+                assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+                live.driver.paused = False
+                assert "[DONE]" in a.read().decode() and "[DONE]" in b.read().decode()
+            ok = http.post("/v1/completions", json={**body, "stream": False})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
