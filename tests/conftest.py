@@ -161,3 +161,54 @@ class Recorder:
 @pytest.fixture
 def recorder() -> Recorder:
     return Recorder()
+
+
+# Tiny windowed checkpoints (issue 17), each written by save_pretrained and read back by
+# transformers for the reference: windows that are not multiples of the block size, a
+# Mistral (every layer slides), a hybrid Qwen3 (layer types full, sliding) and a Qwen2
+# whose every layer slides through use_sliding_window + max_window_layers 0.
+WINDOW_SHAPE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+WINDOWED_CONFIGS = {
+    "mistral-w24": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    "qwen3-hybrid-w20": ("Qwen3Config", "Qwen3ForCausalLM",
+                         dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
+    "qwen2-w13": ("Qwen2Config", "Qwen2ForCausalLM",
+                  dict(use_sliding_window=True, sliding_window=13, max_window_layers=0)),
+}
+
+
+def save_checkpoint(path, config_cls: str, model_cls: str, seed: int = 7, **overrides) -> str:
+    """A random tiny checkpoint of a transformers config/model class, written by save_pretrained."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_cls)(**{**WINDOW_SHAPE, **overrides}, bos_token_id=1, eos_token_id=2,
+                                               pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_cls)(config).eval()
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def windowed_models(tmp_path_factory) -> dict:
+    """name -> (checkpoint dir, HF reference read back from it)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, (config_cls, model_cls, overrides) in WINDOWED_CONFIGS.items():
+        path = save_checkpoint(tmp_path_factory.mktemp(name), config_cls, model_cls, **overrides)
+        out[name] = (path, HFReference(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()))
+    return out

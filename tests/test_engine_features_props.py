@@ -12,6 +12,9 @@ step is checked:
   a refcount);
 - no step writes into a shared or cached block (copy-on-write happened first);
 - the swap pool never leaks: its used blocks are exactly the SWAPPED requests';
+- with a sliding window w (every layer slides), each scheduled query's keys
+  (positions p-w+1 .. p) lie in blocks the request holds, and after each step a
+  request holds no block wholly before its window;
 - sjf keeps WAITING sorted by remaining work minus aging, so a request is passed
   only by requests that arrived within its aging bound;
 - priority preempts only strictly lower priorities for an arrival, and for a block
@@ -96,6 +99,7 @@ def scenarios(draw, policy: str):
         max_num_seqs=draw(st.integers(1, 6)),
         budget=draw(st.integers(1, 48)),
         prefix_caching=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.integers(1, 20))),
         preemption=draw(st.sampled_from(["recompute", "swap"])),
         cpu_blocks=draw(st.integers(0, 12)),
         prefixes=prefixes,
@@ -108,7 +112,8 @@ def simulate(sc) -> dict:
                           max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"],
                           policy=sc["policy"], prefix_caching=sc["prefix_caching"], preemption=sc["preemption"])
     config.validate()
-    bm = CheckedBlockManager(sc["num_blocks"], sc["block_size"], enable_caching=sc["prefix_caching"])
+    bm = CheckedBlockManager(sc["num_blocks"], sc["block_size"], enable_caching=sc["prefix_caching"],
+                             sliding_window=sc.get("window"))
     sched = Scheduler(config, bm, sc["max_model_len"], num_cpu_blocks=sc["cpu_blocks"])
     pool = sched.swap_pool
     policy = sched.policy
@@ -170,6 +175,10 @@ def simulate(sc) -> dict:
             req = sched.requests[s.req_id]
             assert req.status is RequestStatus.RUNNING and s.start_pos == req.num_computed_tokens
             assert s.block_table == bm.table(s.req_id)
+            first_key = max(0, s.start_pos - (sc.get("window") or s.start_pos + 1) + 1)
+            held = set(bm.tables[s.req_id])
+            for pos in range(first_key, s.start_pos + len(s.token_ids)):
+                assert s.block_table[pos // bs] in held, f"position {pos} is read but its block is not held"
             for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
                 block = s.block_table[pos // bs]
                 assert bm.ref_counts[block] == 1, "a write into a shared block (copy-on-write missing)"
@@ -195,6 +204,9 @@ def simulate(sc) -> dict:
             assert prios == sorted(prios, reverse=True), "priority: WAITING not highest first"
         sched.update(out, {s.req_id: TOKEN for s in out.seqs if s.sample}, float(step), frozenset())
         bm.check_invariants()
+        for req in sched.running:
+            gone = bm.outside_window(req.num_computed_tokens)
+            assert len(bm.tables[req.req_id]) == len(bm.table(req.req_id)) - gone, "a block outside the window is held"
 
     assert bm.num_free == bm.num_blocks and not bm.tables and not sched.requests
     assert bm.num_used == 0
@@ -227,6 +239,14 @@ def _fixed(policy="fcfs", **over):
 
 def test_fixed_scenario_hits_shares_copies_and_swaps():
     stats = simulate(_fixed())
+    assert stats["hits"] >= 1 and stats["cow"] >= 1, stats
+    assert stats["swaps_out"] >= 1 and stats["swaps_out"] == stats["swaps_in"], stats
+
+
+def test_fixed_scenario_with_a_window_still_hits_copies_and_swaps():
+    """A 6-token window over 4-token blocks: blocks leave as the window moves, yet prefix hits,
+    copy-on-write and swaps all still happen (the per-step checks above hold throughout)."""
+    stats = simulate(_fixed(window=6))
     assert stats["hits"] >= 1 and stats["cow"] >= 1, stats
     assert stats["swaps_out"] >= 1 and stats["swaps_out"] == stats["swaps_in"], stats
 

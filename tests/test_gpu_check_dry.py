@@ -22,7 +22,8 @@ def test_gpu_check_dry_run_writes_the_issue_json_shape_and_survives_a_failing_se
     assert {"gpu", "versions", "decode", "e2e"} <= result.keys()
     assert result["versions"]["torch"] and result["versions"]["triton"]
     assert result["correctness"] and all(r["ok"] for r in result["correctness"])
-    assert {"write_kv", "paged_attention", "decode splits=4", "prefill"} <= {r["kernel"] for r in result["correctness"]}
+    assert {"write_kv", "paged_attention", "paged_attention window=24", "decode splits=4",
+            "prefill"} <= {r["kernel"] for r in result["correctness"]}
     assert len(result["decode"]) == 4
     for row in result["decode"]:
         assert {"B", "ctx", "ms", "gbps", "sdpa_gbps", "copy_gbps"} <= row.keys()

@@ -39,6 +39,18 @@ def test_greedy_on_triton_kernels_matches_transformers(tiny_ref):
     assert [o.token_ids for o in outs] == tiny_ref.greedy_all(prompts, 6)
 
 
+@pytest.mark.parametrize("name", ["mistral-w24", "qwen3-hybrid-w20"])
+def test_windowed_checkpoints_on_triton_kernels_match_transformers(windowed_models, name):
+    """Sliding windows through the Triton decode and prefill kernels: chunks straddle the window edge,
+    decodes cross it, and (Mistral) blocks outside it are freed and never read."""
+    path, ref = windowed_models[name]
+    prompts = token_prompts([30, 19], 300, seed=4)
+    llm = LLM(path, device="cpu", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
+    llm.engine.runner.ops = TRITON_OPS
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 8)
+
+
 def test_selection_triton_on_cuda_references_elsewhere():
     from kvscope.kernels import reference, select_attention_ops
 

@@ -132,3 +132,86 @@ def test_mixed_step_write_then_attend(dtype):
     out = triton_attention.paged_attention(strided_q, k_cache, v_cache, meta, d ** -0.5)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     check(out, expected, dtype)
+
+
+WINDOW_DECODE_CASES = [
+    # (heads, kv_heads, head_dim, block_size, seq_lens, window, num_splits)
+    (4, 2, 16, 16, [1, 17, 40, 70], 24, 1),  # window not a multiple of the block; shorter and longer contexts
+    (8, 2, 32, 16, [33, 5, 90], 16, 3),  # window = one block, split-KV over the window only
+    (4, 1, 16, 8, [24, 25, 23], 24, 2),  # context equal to, one past and one short of the window
+    (4, 4, 16, 16, [50, 9], 1, 1),  # window 1: each query sees only itself
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,window,num_splits", WINDOW_DECODE_CASES)
+def test_windowed_decode_matches_reference_and_skips_blocks_outside(dtype, heads, kv_heads, head_dim, block_size,
+                                                                    seq_lens, window, num_splits):
+    query, k_cache, v_cache, meta = make_case([1] * len(seq_lens), seq_lens, heads=heads, kv_heads=kv_heads,
+                                              head_dim=head_dim, block_size=block_size, dtype=dtype, seed=9)
+    scale = head_dim ** -0.5
+    full = reference.paged_attention(query, k_cache, v_cache, meta, scale)
+    testing.poison_outside_window(k_cache, v_cache, meta, window)
+    expected = reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    assert not expected.isnan().any(), "the reference read a block outside the window"
+    if max(seq_lens) > window:
+        assert not torch.allclose(expected.float(), full.float(), atol=TOL[dtype]), "the window changed nothing"
+    out = torch.empty_like(query)
+    triton_decode.decode_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, len(seq_lens), meta.max_seq_len,
+                                   num_splits=num_splits, block_n=16, window=window)
+    check(out, expected, dtype)
+
+
+def test_windowed_reference_equals_dense_sliding_mask():
+    """The reference's window is transformers' rule: query p sees keys p-w+1 .. p (kv > q - w)."""
+    heads, d, bs, w = 2, 16, 4, 6
+    query, k_cache, v_cache, meta = make_case([9], [14], heads=heads, kv_heads=heads, head_dim=d, block_size=bs,
+                                              dtype=torch.float32, seed=2)
+    out = reference.paged_attention(query, k_cache, v_cache, meta, d ** -0.5, w)
+    table = meta.block_tables[0].long()
+    k = k_cache[table].reshape(-1, heads, d)[:14].transpose(0, 1)
+    v = v_cache[table].reshape(-1, heads, d)[:14].transpose(0, 1)
+    q_pos = torch.arange(5, 14)[:, None]
+    kv_pos = torch.arange(14)[None, :]
+    mask = (kv_pos <= q_pos) & (kv_pos > q_pos - w)
+    dense = torch.nn.functional.scaled_dot_product_attention(query.transpose(0, 1), k, v, attn_mask=mask,
+                                                             scale=d ** -0.5)
+    torch.testing.assert_close(out, dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+WINDOW_PREFILL_CASES = [
+    # (heads, kv_heads, head_dim, block_size, query_lens, seq_lens, window)
+    (2, 2, 16, 16, [40], [40], 24),  # whole prompt longer than the window
+    (4, 1, 16, 16, [12, 10], [30, 10], 24),  # a chunk straddling the window edge + a prompt inside it
+    (4, 2, 16, 8, [20, 7], [70, 24], 13),  # chunk far past the window (prefix blocks freed); window 13
+    (2, 1, 16, 16, [17], [33], 16),  # chunk across a block boundary, window = block size
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,query_lens,seq_lens,window", WINDOW_PREFILL_CASES)
+def test_windowed_prefill_matches_reference(dtype, heads, kv_heads, head_dim, block_size, query_lens, seq_lens,
+                                            window):
+    query, k_cache, v_cache, meta = make_case(query_lens, seq_lens, heads=heads, kv_heads=kv_heads,
+                                              head_dim=head_dim, block_size=block_size, dtype=dtype, seed=4)
+    scale = head_dim ** -0.5
+    testing.poison_outside_window(k_cache, v_cache, meta, window)
+    expected = reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    assert not expected.isnan().any(), "the reference read a block outside the window"
+    out = torch.empty_like(query)
+    triton_prefill.prefill_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, len(seq_lens), meta.max_query_len,
+                                     block_m=16, block_n=16, window=window)
+    check(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_windowed_mixed_step_through_dispatch(dtype):
+    """Decodes and a prefill chunk in one packed step, windowed, through triton_attention's dispatch."""
+    query_lens, seq_lens = [1, 11, 1], [43, 37, 6]
+    query, k_cache, v_cache, meta = make_case(query_lens, seq_lens, heads=4, kv_heads=2, head_dim=16,
+                                              block_size=8, dtype=dtype, seed=8)
+    testing.poison_outside_window(k_cache, v_cache, meta, 20)
+    expected = reference.paged_attention(query, k_cache, v_cache, meta, 0.25, 20)
+    check(triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25, 20), expected, dtype)

@@ -4,6 +4,8 @@ transformers lets a model call a registered attention function by name. Ours
 ignores the dense mask and instead writes the new K/V into the paged cache and
 attends over each sequence's block table. The per-step data reaches it through
 a forward context set by the model runner around each forward, as in vLLM.
+Each attention module carries its layer's sliding window (attention_spec.py),
+set once by install().
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Iterator
 
 import torch
 
+from kvscope.engine.attention_spec import attention_spec
 from kvscope.kernels import AttentionMetadata, AttentionOps
 
 ATTN_IMPLEMENTATION = "kvscope_paged"
+WINDOW_ATTR = "kvscope_sliding_window"
 
 
 @dataclass
@@ -44,17 +48,27 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     ctx = _current
     if ctx is None:
         raise RuntimeError("kvscope paged attention called outside a forward context")
+    window = getattr(module, WINDOW_ATTR, None)
+    if kwargs.get("sliding_window") != window:  # transformers' model code passes its own layer window
+        raise RuntimeError(f"layer {module.layer_idx}: transformers asks for sliding window "
+                           f"{kwargs.get('sliding_window')!r}, kvscope derived {window!r}")
     k_cache, v_cache = ctx.kv_cache[module.layer_idx]
     q = query[0].transpose(0, 1)
     ctx.ops.write_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, ctx.meta.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.ops.paged_attention(q, k_cache, v_cache, ctx.meta, scale)
+    out = ctx.ops.paged_attention(q, k_cache, v_cache, ctx.meta, scale, window)
     return out.unsqueeze(0), None
 
 
 def install(model: torch.nn.Module) -> None:
-    """Register our attention with transformers and switch the model to it."""
+    """Register our attention with transformers, switch the model to it, and give each layer its window."""
     from transformers import AttentionInterface
+
+    windows = attention_spec(model.config, "model").layer_windows
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and hasattr(module, "q_proj"):
+            setattr(module, WINDOW_ATTR, windows[layer])
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     setter = getattr(model, "set_attn_implementation", None)

@@ -14,6 +14,16 @@ or cached block is never written: if the first token to compute falls inside a h
 block, that block is copied first (copy-on-write) and the copy is written.
 Protocol view (docs/PROTOCOL.md): a block going to refcount 0 and staying cached is
 a RefChange to 0; a cached block leaves the cache through ``freed``.
+
+Sliding window (``sliding_window``, set only when every layer of the model slides by
+the same window w): a query at position p reads keys p-w+1..p, so once a request has
+computed c tokens its leading blocks wholly before position c-w+1 are never read
+again. They are released as soon as the KV is written (``set_filled``), as vLLM's
+sliding-window manager does, and the request's table keeps only the blocks from the
+window on: ``table()`` still returns the logical table, with 0 standing in for each
+released block (attention never reads it). A released block is an ordinary release
+in the deltas: freed, or with prefix caching a RefChange to 0 that keeps it cached
+for a later request with the same prefix, evicted like any other cached block.
 """
 
 from __future__ import annotations
@@ -44,19 +54,24 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError("sliding_window must be >= 1")
+        self.sliding_window = sliding_window
+        self._dropped: dict[int, int] = {}  # per request: leading logical blocks released (outside the window)
         self.ref_counts = [0] * num_blocks
         self._num_shared = 0  # blocks with refcount > 1, kept up to date so counters() stays O(requests)
         self._free: deque[int] = deque(range(num_blocks))  # free and holding nothing reusable
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0: oldest release first
         self.block_hash: list[int | None] = [None] * num_blocks  # registered prefix key, if any
         self._by_hash: dict[int, int] = {}
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # per request: the blocks it holds, from its window on
         self.filled: dict[int, int] = {}  # tokens whose KV is written, per request
         self._chains: dict[int, list[int]] = {}  # per request: keys of its full blocks, in order
         self._log = BlockDeltaLog()  # for `freed` (net over the step)
@@ -98,11 +113,26 @@ class BlockManager:
         return self.num_blocks * self.block_size
 
     def table(self, req_id: int) -> list[int]:
-        return self.tables.get(req_id, [])
+        """req_id's logical block table (block i holds positions i*bs ..), 0 for blocks released outside the window."""
+        table = self.tables.get(req_id, [])
+        dropped = self._dropped.get(req_id, 0)
+        return [0] * dropped + table if dropped else table
+
+    def outside_window(self, num_computed: int) -> int:
+        """Leading logical blocks that no query at position >= num_computed reads (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def computed_blocks(self, req_id: int, num_computed: int) -> list[int]:
+        """The held blocks with KV a later query can read (what a swap-out must keep), in logical order."""
+        self._slide(req_id, num_computed)
+        held = self.tables.get(req_id, [])
+        return held[: max(0, blocks_needed(num_computed, self.block_size) - self._dropped.get(req_id, 0))]
 
     def new_blocks_for(self, req_id: int, total_tokens: int) -> int:
         """Blocks to add so that req_id's table covers total_tokens slots."""
-        have = len(self.tables.get(req_id, ()))
+        have = len(self.tables.get(req_id, ())) + self._dropped.get(req_id, 0)
         return max(0, blocks_needed(total_tokens, self.block_size) - have)
 
     def can_grow(self, req_id: int, total_tokens: int) -> bool:
@@ -126,10 +156,11 @@ class BlockManager:
 
     def can_admit(self, hits: list[int], computed: int, total_tokens: int) -> bool:
         """Whether a new request with tokens [0, computed) in `hits` can get blocks covering total_tokens."""
-        shared = hits[: computed // self.block_size]  # hits it shares; a last, partly used one is copied
-        need = blocks_needed(total_tokens, self.block_size) - len(shared)
+        skip = self.outside_window(computed)  # hits before the window are not needed
+        shared = hits[skip : computed // self.block_size]  # hits it shares; a last, partly used one is copied
+        need = blocks_needed(total_tokens, self.block_size) - skip - len(shared)
         # reviving a cached hit takes it off the free pool; so does pinning a cached copy source
-        taken = sum(1 for b in hits if self.ref_counts[b] == 0)
+        taken = sum(1 for b in hits[skip:] if self.ref_counts[b] == 0)
         return need <= self.num_free - taken
 
     # ---- mutations -----------------------------------------------------------
@@ -186,9 +217,14 @@ class BlockManager:
         bs = self.block_size
         table = self.tables.setdefault(req_id, [])
         self.filled[req_id] = computed
+        skip = self.outside_window(computed)
+        if skip:
+            self._dropped[req_id] = skip
         chain = self._chains.setdefault(req_id, [])
         for i, block in enumerate(hits):
             chain.append(self.block_hash[block])
+            if i < skip:
+                continue  # before the window: its KV is never read, so it is not taken
             if computed < (i + 1) * bs:
                 # the write at position `computed` lands in this block: copy it first
                 pinned = block in self._evictable
@@ -214,10 +250,16 @@ class BlockManager:
             table.append(block)
         return self.grow(req_id, total_tokens)
 
-    def grow(self, req_id: int, total_tokens: int) -> bool:
-        """Make req_id's table cover total_tokens slots; all or nothing."""
+    def grow(self, req_id: int, total_tokens: int, computed: int = 0) -> bool:
+        """Make req_id's table cover total_tokens slots; all or nothing. A new table for a request
+        with `computed` tokens already computed (swapped in) starts at its window."""
+        fresh = req_id not in self.tables
+        if fresh and self.outside_window(computed):
+            self._dropped[req_id] = self.outside_window(computed)
         need = self.new_blocks_for(req_id, total_tokens)
         if need > self.num_free:
+            if fresh:
+                self._dropped.pop(req_id, None)
             return False
         table = self.tables.setdefault(req_id, [])
         self.filled.setdefault(req_id, 0)
@@ -226,22 +268,38 @@ class BlockManager:
         return True
 
     def set_filled(self, req_id: int, num_tokens: int, token_ids: list[int] | None = None) -> None:
-        """KV now exists for req_id's first num_tokens tokens; with caching, register its full blocks."""
+        """KV now exists for req_id's first num_tokens tokens; with caching, register its full blocks;
+        with a sliding window, release the blocks that fell out of it."""
         table = self.tables.get(req_id)
         if table is None:
             return
         self.filled[req_id] = num_tokens
-        if not self.enable_caching or token_ids is None:
+        if self.enable_caching and token_ids is not None:
+            bs = self.block_size
+            dropped = self._dropped.get(req_id, 0)
+            chain = self._chains.setdefault(req_id, [])
+            for i in range(len(chain), min(num_tokens, len(token_ids)) // bs):
+                key = block_hash(chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                chain.append(key)
+                if i < dropped:
+                    continue  # released before it was registered (a swapped-in request's prefix)
+                block = table[i - dropped]
+                if key not in self._by_hash and self.block_hash[block] is None:
+                    self._by_hash[key] = block
+                    self.block_hash[block] = key
+        self._slide(req_id, num_tokens)
+
+    def _slide(self, req_id: int, num_computed: int) -> None:
+        """Release req_id's leading blocks that no query from position num_computed on can read."""
+        dropped = self._dropped.get(req_id, 0)
+        table = self.tables.get(req_id)
+        n = min(self.outside_window(num_computed) - dropped, len(table or ()))
+        if n <= 0:
             return
-        bs = self.block_size
-        chain = self._chains.setdefault(req_id, [])
-        for i in range(len(chain), min(num_tokens, len(token_ids)) // bs):
-            key = block_hash(chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
-            chain.append(key)
-            block = table[i]
-            if key not in self._by_hash and self.block_hash[block] is None:
-                self._by_hash[key] = block
-                self.block_hash[block] = key
+        for block in table[:n]:
+            self._release(block)
+        del table[:n]
+        self._dropped[req_id] = dropped + n
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
@@ -252,6 +310,7 @@ class BlockManager:
         table = self.tables.pop(req_id, None)
         self.filled.pop(req_id, None)
         self._chains.pop(req_id, None)
+        self._dropped.pop(req_id, None)
         if table is None:
             return
         # its table is gone: what it was given this step is no longer news
@@ -296,7 +355,8 @@ class BlockManager:
         bs = self.block_size
         tokens = tail = reserve = 0
         for req_id, table in self.tables.items():
-            filled = min(self.filled.get(req_id, 0), len(table) * bs)
+            dropped = self._dropped.get(req_id, 0) * bs  # tokens whose blocks were released
+            filled = max(0, min(self.filled.get(req_id, 0), dropped + len(table) * bs) - dropped)
             holding = blocks_needed(filled, bs)
             tokens += filled
             tail += holding * bs - filled
@@ -326,6 +386,7 @@ class BlockManager:
             for block in table:
                 expected[block] += 1
         assert expected == self.ref_counts, "refcounts disagree with block tables"
+        assert set(self._dropped) <= set(self.tables), "a released window outlives its request"
         assert self._num_shared == sum(1 for c in expected if c > 1), "shared-block count drifted"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"

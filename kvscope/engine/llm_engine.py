@@ -71,7 +71,10 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.num_blocks or self._auto_num_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching)
+        # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
+        window = getattr(getattr(self.loaded, "attention", None), "uniform_window", None)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching,
+                                          sliding_window=window)
         num_cpu_blocks = self._num_swap_blocks() if config.preemption == "swap" else 0
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
         self.runner = self.sim.runner if self.sim else ModelRunner(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope.engine.attention_spec import AttentionSpec, attention_spec, check_raw_config
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -62,6 +63,7 @@ class LoadedModel:
     head_dim: int
     max_position_embeddings: int
     vocab_size: int
+    attention: AttentionSpec = AttentionSpec(())  # per-layer sliding windows (none: full attention everywhere)
 
 
 def build_builtin(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -93,7 +95,19 @@ def _read_config(path: str) -> dict:
         raise KvscopeError(
             f"unsupported architecture {arch!r} in {config_path} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    check_raw_config(config, config_path)
     return config
+
+
+def _read_hf_config(path: str):
+    """The checkpoint's config parsed by transformers itself (its defaults and derived fields applied)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers' own validation (e.g. layer_types) raises ValueError and others
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise KvscopeError(f"cannot read the config of {path!r}: {first_line}") from None
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> LoadedModel:
@@ -103,11 +117,13 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         eos = frozenset({ByteTokenizer.EOS})
     else:
         _read_config(name)
+        hf_config = _read_hf_config(name)
+        attention_spec(hf_config, os.path.join(name, "config.json"))  # refuse before reading any weights
         from transformers import AutoModelForCausalLM
 
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
-                                                               output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(name, config=hf_config, dtype=dtype,
+                                                               local_files_only=True, output_loading_info=True)
         except Exception as e:  # a corrupt file or mismatched shapes surface as several exception types
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise KvscopeError(f"cannot load checkpoint {name!r}: {first_line}") from None
@@ -115,6 +131,10 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         if missing:  # transformers would quietly fill these with random values
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise KvscopeError(f"checkpoint {name!r} lacks weights: {missing[0]}{more}")
+        sinks = sorted(k for k in info.get("unexpected_keys") or [] if "sink" in k.lower())
+        if sinks:  # e.g. per-head attention sink logits, which transformers would drop
+            raise KvscopeError(f"checkpoint {name!r} has attention-sink weights ({sinks[0]}), "
+                               "which kvscope does not implement")
         model = model.to(device).eval()
         try:
             tokenizer = HFTokenizer(name)
@@ -132,6 +152,7 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
+        attention=attention_spec(cfg, name),
     )
 
 

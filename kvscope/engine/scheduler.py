@@ -109,11 +109,12 @@ class Scheduler:
         self.running.remove(victim)
         mode = "recompute"
         pool = self.swap_pool
-        keep = blocks_needed(victim.num_computed_tokens, self.bm.block_size)
+        kept = self.bm.computed_blocks(victim.req_id, victim.num_computed_tokens)
+        keep = len(kept)
         # A request admitted this step may still wait on a copy-on-write copy: recompute it.
         if pool is not None and keep and pool.can_hold(keep) and victim.req_id not in out.admitted:
             mode = "swap"
-            out.blocks_to_swap_out.extend(pool.swap_out(victim.req_id, self.bm.table(victim.req_id)[:keep]))
+            out.blocks_to_swap_out.extend(pool.swap_out(victim.req_id, kept))
             out.swaps.append((victim.req_id, "out", keep))
             victim.status = RequestStatus.SWAPPED
         else:
@@ -226,7 +227,7 @@ class Scheduler:
                 n = min(left, budget_left)
             swapped = head.status is RequestStatus.SWAPPED
             if swapped or not self.bm.enable_caching:
-                ok = self.bm.grow(head.req_id, computed + n)
+                ok = self.bm.grow(head.req_id, computed + n, computed)
             else:
                 ok = self.bm.admit(head.req_id, hits, computed, computed + n)
             if not ok:
@@ -256,7 +257,7 @@ class Scheduler:
     def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
         """req has fresh GPU blocks: copy its KV back from the CPU pool into the first of them."""
         pool = self.swap_pool
-        table = self.bm.table(req.req_id)
+        table = self.bm.tables[req.req_id]  # held blocks: with a sliding window, from the window on
         k = len(pool.tables[req.req_id])
         out.blocks_to_swap_in.extend(pool.swap_in(req.req_id, table[:k]))
         out.swaps.append((req.req_id, "in", k))

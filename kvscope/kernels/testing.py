@@ -46,3 +46,17 @@ def make_case(query_lens, seq_lens, *, heads, kv_heads, head_dim, block_size, dt
     )
     query = torch.randn(qsl[-1], heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return query, k_cache, v_cache, meta
+
+
+def poison_outside_window(k_cache, v_cache, meta: AttentionMetadata, window: int) -> None:
+    """Point every block that no query of its sequence can see (wholly before the first query's
+    window) at one NaN-filled block, as the engine's freed blocks are: a kernel that reads any
+    of them, even masked, turns its output into NaN. Uses a spare block of make_case."""
+    bs = meta.block_size
+    held = {int(b) for s, n in enumerate(meta.seq_lens_host) for b in meta.block_tables[s, : -(-n // bs)].tolist()}
+    nan_block = min(set(range(k_cache.shape[0])) - held)
+    k_cache[nan_block] = float("nan")
+    v_cache[nan_block] = float("nan")
+    for s, (q, n) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        dead = max(0, n - q - window + 1) // bs
+        meta.block_tables[s, :dead] = nan_block

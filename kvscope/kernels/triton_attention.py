@@ -53,16 +53,17 @@ def _plan(meta: AttentionMetadata, device: torch.device) -> _Plan:
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its paged context; call after write_kv."""
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged context (or the last `window`
+    keys of each query); call after write_kv."""
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     plan = _plan(meta, query.device)
     if plan.num_decodes:
         decode_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                         scale, plan.num_decodes, plan.decode_max_len, seq_ids=plan.decode_ids)
+                         scale, plan.num_decodes, plan.decode_max_len, seq_ids=plan.decode_ids, window=window)
     if plan.num_prefills:
         prefill_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                          scale, plan.num_prefills, plan.prefill_max_q, seq_ids=plan.prefill_ids)
+                          scale, plan.num_prefills, plan.prefill_max_q, seq_ids=plan.prefill_ids, window=window)
     return out

@@ -10,6 +10,9 @@ Design (see docs/KERNELS.md):
   split takes an equal share of its sequence's tiles, decided on the device from
   that sequence's length, so a fixed split count also works inside a CUDA graph.
   Splits write a partial output and its log-sum-exp; a merge kernel combines them.
+- Sliding window: with a window w, the query at position seq_len-1 sees keys
+  seq_len-w .. seq_len-1. The tiles (and so the splits) cover only that span, so
+  a tile wholly outside the window is never visited, not visited and masked.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ _SM_COUNT: dict[int, int] = {}
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                   sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
+                   sm_scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
                    stride_bt,
                    H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   HAS_SEQ_IDS: tl.constexpr, IEEE: tl.constexpr):
+                   HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -41,9 +44,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_p
         s = i
     seq_len = tl.load(seq_lens_ptr + s)
     row = tl.load(qsl_ptr + s).to(tl.int64)
-    tiles = tl.cdiv(seq_len, BLOCK_N)
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = seq_len * 0
+    tiles = tl.cdiv(seq_len - first, BLOCK_N)
     per_split = tl.cdiv(tiles, NUM_SPLITS)
-    start = split * per_split * BLOCK_N
+    start = first + split * per_split * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -126,10 +133,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      scale: float, num_seqs: int, max_seq_len: int, seq_ids: torch.Tensor | None = None,
-                     num_splits: int | None = None, block_n: int | None = None) -> None:
+                     num_splits: int | None = None, block_n: int | None = None,
+                     window: int | None = None) -> None:
     """Decode attention for num_seqs sequences (seq_ids, or 0..num_seqs-1), one query row each at qsl[s].
 
     query/out [T, H, D] with unit last stride; caches [N, block_size, KVH, D] contiguous.
+    window: the sliding window (keys seq_len-window .. seq_len-1), or None for the whole context.
     """
     if num_seqs == 0:
         return
@@ -140,7 +149,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if block_n is None:
         block_n = 64 if d_pad <= 128 else 32
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, kvh, max_seq_len, query.device)
+        span = max_seq_len if window is None else min(max_seq_len, window)
+        num_splits = choose_num_splits(num_seqs, kvh, span, query.device)
     ieee = query.dtype == torch.float32
     if ieee and query.device.type == "cuda":
         block_n = min(block_n, 32)  # fp32 tiles take twice the shared memory
@@ -153,11 +163,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     ids = seq_ids if has_ids else seq_lens  # any pointer; unread without HAS_SEQ_IDS
     _decode_kernel[(num_seqs, kvh, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ids, out, part_o, part_lse,
-        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        scale * 1.4426950408889634, window or 0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_SEQ_IDS=has_ids, IEEE=ieee,
-        num_warps=4, num_stages=2,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_SEQ_IDS=has_ids,
+        HAS_WINDOW=window is not None, IEEE=ieee, num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, h)](

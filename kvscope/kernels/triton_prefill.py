@@ -6,6 +6,8 @@ chunk itself, all read through the block table (the chunk's own K/V are already
 written). Grid: (sequences, query heads, query tiles of BLOCK_M rows). Keys are
 walked BLOCK_N at a time up to the tile's last query position; only the tiles
 that touch the diagonal need the causal mask, but one masked loop keeps it short.
+With a sliding window w, query position p sees keys p-w+1 .. p: the walk starts
+at the tile's first query's window start, and the mask adds the lower bound.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from kvscope.kernels.triton_softmax import attend_tile
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr,
-                    sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
+                    sm_scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
                     stride_bt,
                     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    IEEE: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     mt = tl.program_id(2)
@@ -50,7 +53,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         bt_row = bt_ptr + s.to(tl.int64) * stride_bt
         end = tl.minimum(seq_len, prefix + (mt + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        if HAS_WINDOW:
+            first = tl.maximum(prefix + mt * BLOCK_M - window + 1, 0)
+        else:
+            first = end * 0
+        for n0 in range(first, end, BLOCK_N):
             pos = n0 + offs_n
             nmask = pos < end
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
@@ -59,6 +66,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
             visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             m, l, acc = attend_tile(q, k, v, visible, m, l, acc, sm_scale_log2, IEEE)
         o = acc / l[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -68,8 +77,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       scale: float, num_seqs: int, max_query_len: int, seq_ids: torch.Tensor | None = None,
-                      block_m: int | None = None, block_n: int | None = None) -> None:
-    """Prefill/extend attention for num_seqs sequences (seq_ids, or 0..num_seqs-1) of the packed batch."""
+                      block_m: int | None = None, block_n: int | None = None, window: int | None = None) -> None:
+    """Prefill/extend attention for num_seqs sequences (seq_ids, or 0..num_seqs-1) of the packed batch.
+
+    window: the sliding window (query position p sees keys p-window+1 .. p), or None for causal attention.
+    """
     if num_seqs == 0 or max_query_len == 0:
         return
     _, h, d = query.shape
@@ -85,8 +97,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     grid = (num_seqs, h, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids if has_ids else seq_lens, out,
-        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        scale * 1.4426950408889634, window or 0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=h // kvh, D=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SEQ_IDS=has_ids, IEEE=ieee, num_warps=4, num_stages=2,
+        HAS_SEQ_IDS=has_ids, HAS_WINDOW=window is not None, IEEE=ieee, num_warps=4, num_stages=2,
     )
