@@ -270,6 +270,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from kvscope.analysis.cli import run_diagnose
+
+    return run_diagnose(args, _engine_config, UsageError)
+
+
 def cmd_trace_info(args: argparse.Namespace) -> int:
     from kvscope.traces.info import trace_info
 
@@ -361,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
     from kvscope import cli_compare
 
     cli_compare.add_parsers(sub, _engine_args, _workload_args)
+
+    p = sub.add_parser("diagnose", help="name the bottleneck of a trace (or of a sim config) and the knobs to turn")
+    p.add_argument("file", nargs="?", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
+    p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
+    p.add_argument("--window", type=int, default=None, metavar="N", help="judge only the last N steps")
+    p.add_argument("--no-what-if", action="store_true", help="skip re-running the requests in the sim")
+    _engine_args(p)
+    _workload_args(p, "mixed")
+    p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("trace-info", help="describe a .kvtrace file")
     p.add_argument("file")

@@ -1,0 +1,134 @@
+"""`kvscope diagnose`: one bottleneck, the evidence, ordered knobs checked by the sim, what to watch next.
+
+``diagnose_events(events)`` and ``diagnose_trace(path)`` return a typed
+``Diagnosis`` (msgspec Struct; JSON is ``msgspec.json.encode`` of it, text is
+``format_text`` of the same struct). The verdict reads protocol events only; the
+what-if (``what_if=True``) re-runs the trace's requests through the sim, which is
+the only step that loads the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import msgspec
+
+from kvscope.analysis import knobs as K
+from kvscope.analysis import verdicts as V
+from kvscope.analysis.figures import RunFigures
+from kvscope.analysis.knobs import Knob
+from kvscope.analysis.signals import Signals, StepLog, measure
+from kvscope.analysis.verdicts import Evidence
+from kvscope.analysis.whatif import TraceRequests
+from kvscope.protocol.events import StepEvent
+
+MIN_BUSY_STEPS = 8  # fewer busy steps than this: too little to judge
+CALIBRATION_STEPS = 50_000  # steps kept for calibrating the sim to a model-backend trace
+
+
+class Runner(msgspec.Struct, kw_only=True):
+    bottleneck: str
+    score: float
+    evidence: str  # its strongest figure
+
+
+class Diagnosis(msgspec.Struct, kw_only=True):
+    source: str
+    backend: str
+    config: dict[str, Any]
+    steps: int
+    requests: int
+    window: int | None  # None: the whole trace
+    bottleneck: str  # one of verdicts.BOTTLENECKS
+    score: float
+    evidence: list[Evidence]
+    secondary: list[Runner]
+    knobs: list[Knob]
+    measure_next: str
+    refusals: list[str]
+    cannot_judge: list[str]
+    trace_figures: RunFigures
+    what_if: Any = None  # predict.WhatIf, or None with --no-what-if
+    signals: Signals | None = None
+
+
+class NoSteps(ValueError):
+    """The stream holds no step: there is nothing to diagnose."""
+
+
+def _config_line(cfg: dict) -> dict[str, Any]:
+    keys = ("backend", "model", "gpu", "device", "tp", "mode", "policy", "num_blocks", "block_size", "max_num_seqs",
+            "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_dtype", "prefix_caching", "preemption")
+    return {k: cfg[k] for k in keys if k in cfg}
+
+
+def judge(log: StepLog, requests: TraceRequests | None = None, source: str = "<events>",
+          warnings: Iterable[str] = ()) -> Diagnosis:
+    """The verdict from what a StepLog holds (no what-if); the live panel calls this."""
+    if not log.rows:
+        raise NoSteps(f"{source}: no steps to diagnose (the engine never ran an iteration)")
+    cfg = {k: v for k, v in log.config.items() if not k.startswith("_")}
+    s = measure(log)
+    cannot = list(warnings)
+    if s.busy_steps < MIN_BUSY_STEPS:
+        cannot.append(f"only {s.busy_steps} busy steps: too few to judge reliably")
+    arrivals = len(requests.requests) if requests is not None else s.requests
+    if arrivals == 0:
+        cannot.append("no requests in the stream (no request events): TTFT, queue times and the what-if "
+                      "cannot be judged")
+    elif s.finished < s.requests:
+        cannot.append(f"{s.requests - s.finished} of {s.requests} requests had not finished when the stream ended;"
+                      " their latencies are not counted")
+    if not cfg:
+        cannot.append("no hello: the engine config is unknown, so knobs cannot name their current values")
+    top, rest = V.rule(s, cfg)
+    knobs, refusals = K.choose(top.bottleneck, rest, cfg, s)
+    secondary = [Runner(bottleneck=r.bottleneck, score=round(r.score, 2), evidence=r.evidence[0].text) for r in rest]
+    figures = requests.figures() if requests is not None else RunFigures(
+        output_tok_per_s=0.0, ttft_p50_s=s.ttft_p50, ttft_p99_s=s.ttft_p99, itl_p99_s=s.itl_p99,
+        preemptions=s.preemptions_kv + s.preemptions_priority)
+    return Diagnosis(
+        source=source, backend=str(cfg.get("backend", "model")), config=_config_line(cfg), steps=s.steps,
+        requests=s.requests, window=log.window, bottleneck=top.bottleneck, score=round(top.score, 2),
+        evidence=top.evidence, secondary=secondary, knobs=knobs, measure_next=K.MEASURE_NEXT[top.bottleneck],
+        refusals=refusals, cannot_judge=cannot, trace_figures=figures, signals=s)
+
+
+def diagnose_events(events: Iterable[Any], *, window: int | None = None, what_if: bool = True,
+                    source: str = "<events>", warnings: Iterable[str] = ()) -> Diagnosis:
+    """Diagnose a sequence of protocol events (a trace's, or a live stream's)."""
+    log = StepLog(window)
+    tr = TraceRequests()
+    calib: list[StepEvent] | None = None
+    total_steps = 0
+    for ev in events:
+        log.add(ev)
+        tr.add(ev)
+        if type(ev) is StepEvent:
+            total_steps += 1
+            if calib is None and log.config.get("backend", "sim") != "sim":
+                calib = []
+            if calib is not None and len(calib) < CALIBRATION_STEPS:
+                calib.append(ev)
+    d = judge(log, tr, source, warnings)
+    if what_if:
+        from kvscope.analysis.predict import predict
+
+        d.what_if = predict(tr, {k: v for k, v in log.config.items() if not k.startswith("_")}, d.knobs,
+                            total_steps, calib)
+    return d
+
+
+def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True) -> Diagnosis:
+    """Diagnose a .kvtrace file; a trace cut short is diagnosed up to where its good data ends."""
+    from kvscope.traces.reader import TraceReader
+
+    reader = TraceReader(path)
+    d = diagnose_events(reader, window=window, what_if=what_if, source=path)
+    if reader.warnings:
+        d.cannot_judge.insert(0, f"{reader.warnings[0]}: diagnosed the {d.steps} steps before it")
+    return d
+
+
+def to_json(d: Diagnosis) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(d), indent=2)

@@ -1,0 +1,51 @@
+"""The five figures a diagnosis compares runs by, and the one percentile rule they use.
+
+``RunFigures`` is what a knob's ``baseline`` and ``predicted`` carry, and what the
+trace's own run is summarised as, computed the same way as ``kvscope serve``'s
+summary: output tokens over (last finish - first arrival), nearest-rank percentiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import msgspec
+import numpy as np
+
+
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]), as kvscope.engine.metrics defines it; None for none."""
+    n = len(values)
+    if n == 0:
+        return None
+    rank = min(n, max(1, math.ceil(q / 100 * n)))
+    arr = np.asarray(values, dtype=float)
+    return float(np.partition(arr, rank - 1)[rank - 1])
+
+
+class RunFigures(msgspec.Struct, kw_only=True):
+    output_tok_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p99_s: float | None
+    preemptions: int
+
+
+def run_figures(ttft: Sequence[float], itl: Sequence[float], output_tokens: int, first_arrival: float | None,
+                last_finish: float | None, preemptions: int) -> RunFigures:
+    span = (last_finish or 0.0) - (first_arrival or 0.0)
+    return RunFigures(
+        output_tok_per_s=output_tokens / span if span > 0 else 0.0,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        itl_p99_s=percentile(itl, 99),
+        preemptions=preemptions,
+    )
+
+
+def relative_change(new: float | None, old: float | None) -> float | None:
+    """(new - old) / old, or None when either is missing or old is 0."""
+    if new is None or old is None or old == 0:
+        return None
+    return (new - old) / old
