@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope.quantiles import percentile
+
 EXPERIMENTS = ("shared-prefix", "priority", "swap")
 
 
@@ -46,13 +48,9 @@ class RunResult:
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return (xs[lo] + (xs[hi] - xs[lo]) * (k - lo)) * 1000
+    """Nearest-rank percentile in ms (the one definition, docs/QUANTILES.md)."""
+    v = percentile(values, q)
+    return None if v is None else v * 1000
 
 
 def _drive(engine, items) -> tuple[list, float]:

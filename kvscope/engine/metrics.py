@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from kvscope.engine.request import Request
+from kvscope.quantiles import QuantileSketch, percentile
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
+__all__ = ["MetricsCollector", "Summary", "mean", "percentile", "summary_table"]
 
 
 def mean(values: list[float]) -> float | None:
@@ -23,10 +16,13 @@ def mean(values: list[float]) -> float | None:
 
 @dataclass
 class MetricsCollector:
-    """Accumulates what finished requests report; cheap enough to run forever."""
+    """Accumulates what finished requests report; fixed memory, so it can run forever.
 
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
+    Percentiles come from ``QuantileSketch`` (nearest rank, within 0.5%; docs/QUANTILES.md).
+    """
+
+    ttft: QuantileSketch = field(default_factory=QuantileSketch)
+    itl: QuantileSketch = field(default_factory=QuantileSketch)
     output_tokens: int = 0
     requests: int = 0
     rejected: int = 0
@@ -38,7 +34,7 @@ class MetricsCollector:
         self.requests += 1
         self.output_tokens += m.num_output_tokens
         if m.ttft is not None:
-            self.ttft.append(m.ttft)
+            self.ttft.add(m.ttft)
         self.itl.extend(m.itl)
         if self.first_arrival is None or req.arrival < self.first_arrival:
             self.first_arrival = req.arrival
@@ -53,11 +49,11 @@ class MetricsCollector:
             output_tokens=self.output_tokens,
             duration_s=span,
             output_tok_per_s=self.output_tokens / span if span > 0 else 0.0,
-            ttft_mean_s=mean(self.ttft),
-            ttft_p50_s=percentile(self.ttft, 50),
-            ttft_p99_s=percentile(self.ttft, 99),
-            itl_p50_s=percentile(self.itl, 50),
-            itl_p99_s=percentile(self.itl, 99),
+            ttft_mean_s=self.ttft.mean,
+            ttft_p50_s=self.ttft.percentile(50),
+            ttft_p99_s=self.ttft.percentile(99),
+            itl_p50_s=self.itl.percentile(50),
+            itl_p99_s=self.itl.percentile(99),
             preemptions=preemptions,
             kv_waste=kv_waste,
             steps=steps,

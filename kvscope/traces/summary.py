@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.events import RejectEvent, RequestEvent, SnapshotEvent, StepEvent
+from ..quantiles import STANDARD, QuantileSketch
 
 
 @dataclass
@@ -102,3 +103,34 @@ class Tally:
             "finished": self.finished,
             "dropped": self.dropped,
         }
+
+
+class LatencyTally:
+    """TTFT and ITL over a trace's step events, as the one percentile estimator sees them.
+
+    The same samples the TUI's histograms fold (first-token TTFTs, ITL gaps), in
+    ``QuantileSketch``es, so the figures match the dashboard's; fixed memory.
+    """
+
+    __slots__ = ("ttft", "itl")
+
+    def __init__(self, ttft: QuantileSketch | None = None, itl: QuantileSketch | None = None) -> None:
+        self.ttft = ttft if ttft is not None else QuantileSketch()
+        self.itl = itl if itl is not None else QuantileSketch()
+
+    def add(self, ev) -> None:
+        if type(ev) is StepEvent:
+            for ft in ev.first_tokens:
+                self.ttft.add(ft.ttft)
+            for s in ev.itl:
+                self.itl.add(s.gap)
+
+    def figures(self) -> dict[str, dict[str, float | None | int]]:
+        """{"ttft": {"n", "p50", "p90", "p99"}, "itl": {...}} in seconds."""
+        out: dict[str, dict[str, float | None | int]] = {}
+        for name, sk in (("ttft", self.ttft), ("itl", self.itl)):
+            row: dict[str, float | None | int] = {"n": sk.n}
+            for q, v in zip(STANDARD, sk.quantiles(STANDARD)):
+                row[f"p{round(q * 100)}"] = v
+            out[name] = row
+        return out

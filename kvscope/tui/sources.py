@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
 from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
+from kvscope.tui.latency_seed import LatencyCheckpoints
 
 SPEEDS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
@@ -314,7 +315,8 @@ class ReplayController:
     forward (play, single step, seek ahead, next preemption) applies every event in
     order, exactly as live did. Going back (or far ahead) starts over from
     ``trace.seek(step)``: a hello (fresh state), the nearest snapshot, then the
-    events up to the step; histograms then restart from that snapshot.
+    events up to the step, with the TTFT/ITL samples up to that snapshot handed
+    over first (``latency_seed``), so the figures equal those of playing to the step.
     """
 
     FORWARD_LIMIT = 20_000  # seek ahead by applying events when fewer steps than this
@@ -335,7 +337,9 @@ class ReplayController:
         self.preempt_steps: list[int] = []
         self.start_t = 0.0
         first_t = None
+        self._latency = LatencyCheckpoints()
         for ev in trace:
+            self._latency.observe(ev)
             if type(ev) is StepEvent:
                 self.steps.append(ev.step)
                 self.step_t.append(ev.t + ev.dur)
@@ -479,8 +483,10 @@ class ReplayController:
             self.cur_step = step
         else:
             events = list(self.trace.seek(step))
+            seed = self._latency.seed(self.trace, events)
             if not events or not isinstance(events[0], HelloEvent):
                 events.insert(0, self.hello)
+            events.insert(1, seed)
             self.pending = events
             self.cur_step = step
             t = self.step_t[self.steps.index(step)]

@@ -317,6 +317,11 @@ def reduce(state: TuiState, event: Any) -> TuiState:
         _reject(state, event)
     elif kind == "bye":
         _bye(state, event)
+    elif kind == "latency":  # not on the wire: a replay seek's TTFT/ITL so far (tui/latency_seed.py)
+        state.ttft.clear()
+        state.ttft.merge(event.ttft)
+        state.itl.clear()
+        state.itl.merge(event.itl)
     else:
         return state
     state.version += 1

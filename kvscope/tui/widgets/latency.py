@@ -27,9 +27,13 @@ def histogram_lines(h, name: str, width: int, bar_rows: int, pal) -> list[Text]:
         title.append(" no samples yet", style=pal.dim)
         return [title] + [Text("") for _ in range(bar_rows + 1)]
     colours = (pal.p50, pal.p90, pal.p99)
-    for (glyph, label), v, c in zip(MARKS, p, colours):
-        title.append(f"{glyph}{label} ", style=c)
-        title.append(f"{fmt.dur(v)} ")
+    figures = [fmt.latency(v) for v in p]
+    # Labels when they fit; else the glyphs alone (the help screen names them), so a
+    # figure is never cut off.
+    labelled = len(name) + 2 + sum(len(g) + len(lb) + len(f) + 2 for (g, lb), f in zip(MARKS, figures)) <= width - 1
+    for (glyph, label), v, c in zip(MARKS, figures, colours):
+        title.append(f"{glyph}{label} " if labelled else glyph, style=c)
+        title.append(f"{v} ")
     title.append(f"n={h.n}", style=pal.dim)
     w = max(4, width - 1)
     # Range: whole decades around the samples.

@@ -87,9 +87,9 @@ class RequestSummary(RequestWidget):
             l2.append(f" · swapped {r.swaps}x", style=pal.warn)
         l3 = Text(no_wrap=True, overflow="ellipsis")
         end = r.end_t if r.end_t is not None else st.t
-        l3.append(f" arrival {r.arrival:.3f}s · age {fmt.dur(max(0.0, end - r.arrival))} · ttft {fmt.dur(r.ttft)}")
+        l3.append(f" arrival {r.arrival:.3f}s · age {fmt.dur(max(0.0, end - r.arrival))} · ttft {fmt.latency(r.ttft)}")
         if r.e2e is not None:
-            l3.append(f" · e2e {fmt.dur(r.e2e)}")
+            l3.append(f" · e2e {fmt.latency(r.e2e)}")
         if r.preemptions:
             l3.append(f" · preempted {r.preemptions}×", style=f"bold {pal.warn}")
         strip = self._strip(r, st.t, width - 2)
@@ -156,7 +156,7 @@ class LifecycleLog(RequestWidget):
                 ln.append(f"{PH_PREFILL} prefill chunk {chunk_no}", style=pal.prefill)
                 ln.append(f" {e.tokens} tok [{e.start}:{e.start + e.tokens}]")
             elif e.kind == LOG_FIRST:
-                ln.append(f"first token, ttft {fmt.dur(float(e.note))}", style="bold")
+                ln.append(f"first token, ttft {fmt.latency(float(e.note))}", style="bold")
             elif e.kind == LOG_DECODE:
                 n = e.end_step - e.step + 1
                 ln.append(f"{PH_DECODE} decode", style=pal.decode)

@@ -1,0 +1,79 @@
+"""Latency figures across a replay seek: seeking to step N shows what playing to N showed.
+
+A backward seek restarts the state from a snapshot, which carries no latency
+samples. While the replay controller indexes the trace it keeps, at snapshots,
+a packed copy of the TTFT and ITL sketches over every step up to there; a seek
+hands the reducer a ``LatencySeed`` with the sketches as of the snapshot it
+restarts from, and the steps after it add theirs as in play.
+"""
+
+from __future__ import annotations
+
+from kvscope.protocol.events import SnapshotEvent, StepEvent
+from kvscope.traces.summary import LatencyTally
+
+MAX_CHECKPOINTS = 512  # then keep every other one: a seek re-reads at most the steps between two
+
+
+class LatencySeed:
+    """Not a protocol event: the reducer replaces its TTFT/ITL samples with these sketches."""
+
+    type = "latency"
+    __slots__ = ("ttft", "itl")
+
+    def __init__(self, tally: LatencyTally) -> None:
+        self.ttft = tally.ttft
+        self.itl = tally.itl
+
+
+class LatencyCheckpoints:
+    """Packed TTFT/ITL sketches at a trace's snapshots; memory bounded by MAX_CHECKPOINTS."""
+
+    def __init__(self) -> None:
+        self._tally = LatencyTally()
+        self._last_step = 0
+        self._points: dict[int, tuple[tuple, tuple]] = {}  # snapshot step -> packed (ttft, itl)
+        self._every = 1
+        self._snapshots = 0
+
+    def observe(self, ev) -> None:
+        """Call with every event of the trace, in order, once."""
+        t = type(ev)
+        if t is StepEvent:
+            self._tally.add(ev)
+            self._last_step = ev.step
+        elif t is SnapshotEvent and ev.step not in self._points:
+            self._snapshots += 1
+            if self._snapshots % self._every == 0:
+                self._points[ev.step] = (self._tally.ttft.packed(), self._tally.itl.packed())
+                if len(self._points) > MAX_CHECKPOINTS:
+                    self._points = dict(list(self._points.items())[1::2])
+                    self._every *= 2
+
+    def seed(self, trace, events: list) -> LatencySeed:
+        """The seed for a restart from ``events`` (``trace.seek``'s answer): steps up to its snapshot."""
+        tally = LatencyTally()
+        snap = next((ev for ev in events if type(ev) is SnapshotEvent), None)
+        if snap is None:
+            return LatencySeed(tally)  # restarts from the beginning: nothing before it
+        below = [s for s in self._points if s <= snap.step]
+        base = max(below) if below else None
+        if base is not None:
+            ttft, itl = self._points[base]
+            tally.ttft.unpack(ttft)
+            tally.itl.unpack(itl)
+        if base != snap.step:
+            for ev in _steps_after(trace, base):
+                if ev.step > snap.step:
+                    break
+                tally.add(ev)
+        return LatencySeed(tally)
+
+
+def _steps_after(trace, step: int | None):
+    """Step events after step ``step`` (all of them for None)."""
+    it_from = getattr(trace, "iter_from", None) if step is not None else None
+    source = it_from(step) if it_from is not None else iter(trace)
+    for ev in source:
+        if type(ev) is StepEvent and (step is None or ev.step > step):
+            yield ev
