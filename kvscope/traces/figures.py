@@ -6,7 +6,8 @@ definitions the engine's own MetricsCollector uses:
 - only finished requests count (a request's TTFT, e2e and output tokens come from its
   `finish` record; its ITL gaps from the step `itl` samples);
 - tok/s = output tokens / (last finish - first arrival), over finished requests;
-- percentiles are nearest-rank (docs/METRICS.md);
+- percentiles are nearest-rank, from the same fixed-memory estimator (QuantileSketch,
+  docs/QUANTILES.md) over the same samples, so they equal the bench row's;
 - KV waste is the mean over steps with allocated blocks of (tail + reserve waste) /
   allocated slots.
 So a trace recorded by `kvscope race` gives the same row as bench for that run.
@@ -14,29 +15,22 @@ So a trace recorded by `kvscope race` gives the same row as bench for that run.
 
 from __future__ import annotations
 
-import math
 from array import array
 from typing import Any, Iterable
 
 from ..protocol.events import RequestEvent, StepEvent
-
-
-def nearest_rank(ordered: "array | list", q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]) of an already sorted sequence."""
-    if not ordered:
-        return None
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return float(ordered[min(rank, len(ordered)) - 1])
+from ..quantiles import QuantileSketch
 
 
 class RunFigures:
-    """Streaming accumulator: ``add`` every event, then ``row()``. Memory: 8 bytes per sample."""
+    """Streaming accumulator: ``add`` every event, then ``row()``. Memory: 8 bytes per ITL gap of a
+    request still running, fixed for the finished ones."""
 
     def __init__(self) -> None:
         self.arrivals: dict[int, float] = {}
         self.itl_by_req: dict[int, array] = {}
-        self.ttft = array("d")
-        self.itl = array("d")
+        self.ttft = QuantileSketch()
+        self.itl = QuantileSketch()
         self.output_tokens = 0
         self.finished = 0
         self.requests = 0
@@ -73,7 +67,7 @@ class RunFigures:
             self.finished += 1
             self.output_tokens += f.output_len
             if f.ttft is not None:
-                self.ttft.append(f.ttft)
+                self.ttft.add(f.ttft)
             gaps = self.itl_by_req.pop(f.req, None)
             if gaps is not None:
                 self.itl.extend(gaps)
@@ -96,17 +90,16 @@ class RunFigures:
 
     def row(self, name: str = "") -> dict[str, Any]:
         """The bench row's figures (same keys as `kvscope bench --json` rows)."""
-        ttft = sorted(self.ttft)
-        itl = sorted(self.itl)
+        ttft, itl = self.ttft, self.itl
         span = (self.last_finish or 0.0) - (self.first_arrival or 0.0)
         return {
             "name": name,
             "output_tok_per_s": self.output_tokens / span if span > 0 else 0.0,
-            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
-            "ttft_p50_s": nearest_rank(ttft, 50),
-            "ttft_p99_s": nearest_rank(ttft, 99),
-            "itl_p50_s": nearest_rank(itl, 50),
-            "itl_p99_s": nearest_rank(itl, 99),
+            "ttft_mean_s": ttft.mean,
+            "ttft_p50_s": ttft.percentile(50),
+            "ttft_p99_s": ttft.percentile(99),
+            "itl_p50_s": itl.percentile(50),
+            "itl_p99_s": itl.percentile(99),
             "preemptions": self.preemptions,
             "kv_waste": self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
             "output_tokens": self.output_tokens,

@@ -17,9 +17,9 @@ BEST = "★"
 # (key, title, higher is better, formatter)
 COLUMNS = (
     ("output_tok_per_s", "tok/s", True, fmt.rate),
-    ("ttft_mean_s", "TTFT mean", False, fmt.dur),
-    ("ttft_p99_s", "TTFT p99", False, fmt.dur),
-    ("itl_p99_s", "ITL p99", False, fmt.dur),
+    ("ttft_mean_s", "TTFT mean", False, fmt.latency),
+    ("ttft_p99_s", "TTFT p99", False, fmt.latency),
+    ("itl_p99_s", "ITL p99", False, fmt.latency),
     ("preemptions", "preempt", False, lambda v: str(int(v))),
     ("kv_waste", "KV waste", False, lambda v: fmt.pct(float(v))),
 )
