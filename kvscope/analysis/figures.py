@@ -7,19 +7,20 @@ summary: output tokens over (last finish - first arrival), nearest-rank percenti
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import msgspec
 import numpy as np
 
+from kvscope.quantiles import nearest_rank
+
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]), as kvscope.engine.metrics defines it; None for none."""
+    """Nearest-rank percentile (q in [0, 100]), exact, by the one rule (kvscope.quantiles, docs/QUANTILES.md)."""
     n = len(values)
     if n == 0:
         return None
-    rank = min(n, max(1, math.ceil(q / 100 * n)))
+    rank = nearest_rank(q / 100, n)
     arr = np.asarray(values, dtype=float)
     return float(np.partition(arr, rank - 1)[rank - 1])
 
