@@ -290,6 +290,17 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from kvscope.serve.export import export_trace
+
+    if not (args.perfetto or args.requests or args.steps):
+        raise UsageError("export needs at least one of --perfetto OUT.json, --requests OUT.csv, --steps OUT.csv")
+    stats = export_trace(args.file, perfetto=args.perfetto, requests_csv=args.requests, steps_csv=args.steps)
+    print(f"exported {stats.steps} steps, {stats.requests} requests ({stats.slices} slices on "
+          f"{stats.lanes} request lanes)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
@@ -376,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     _workload_args(p, "mixed")
     p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser("export", help="a .kvtrace as Perfetto/chrome://tracing JSON and CSV tables (docs/EXPORT.md)")
+    p.add_argument("file")
+    p.add_argument("--perfetto", metavar="OUT.json", help="Chrome trace event JSON for Perfetto or chrome://tracing")
+    p.add_argument("--requests", metavar="OUT.csv", help="one row per request")
+    p.add_argument("--steps", metavar="OUT.csv", help="one row per scheduler step")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("trace-info", help="describe a .kvtrace file")
     p.add_argument("file")
