@@ -117,3 +117,16 @@ def test_source_travels_in_request_events_and_snapshots():
     assert [r.source for r in reqs] == ["http", ""]
     snap = decode(encode(engine.snapshot()))
     assert {r.req: r.source for r in snap.requests} == {reqs[0].req: "http", reqs[1].req: ""}
+
+
+def test_request_detail_says_a_request_came_from_http():
+    from kvscope.tui.state import new_state, reduce_all
+
+    engine, sink = _engine()
+    http = engine.add_request(_prompt(5), SamplingParams(max_tokens=3), source="http")
+    own = engine.add_request(_prompt(5, 2), SamplingParams(max_tokens=3))
+    engine.step()
+    state = reduce_all(new_state(), sink.events)
+    assert state.requests[http].source == "http" and state.requests[own].source == ""
+    late = reduce_all(new_state(), [decode(encode(engine.hello())), decode(encode(engine.snapshot()))])
+    assert late.requests[http].source == "http"  # a late subscriber learns it from the snapshot

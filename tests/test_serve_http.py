@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import httpx
 import openai
@@ -111,6 +112,11 @@ def test_models_and_health(live):
     models = httpx.get(live.base_url + "/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
     assert httpx.get(live.base_url + "/health").status_code == 200
+    with openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        assert client.models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4")
 
 
 def _generation_tokens(live) -> float:
@@ -234,3 +240,14 @@ def test_waiting_cap_answers_429_and_serving_goes_on():
                 assert "[DONE]" in a.read().decode() and "[DONE]" in b.read().decode()
             ok = http.post("/v1/completions", json={**body, "stream": False})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_synthetic_traffic_runs_beside_http_with_forever():
+    with serving(EngineConfig(**CONFIG), forever_workload="chat") as live:
+        live.wait_until(lambda: len(live.recorder.of_type("request")) >= 3, what="synthetic arrivals")
+        with openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            out = client.completions.create(model="tiny", prompt="beside", max_tokens=4,
+                                            extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        sources = Counter(r.source for r in live.recorder.of_type("request"))
+        assert sources[SOURCE_HTTP] == 1 and sources[""] >= 3

@@ -59,6 +59,7 @@ class HttpFrontEnd:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -69,11 +70,20 @@ class HttpFrontEnd:
         return _error(oa.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
 
     # ---- plain endpoints --------------------------------------------------------------
-    async def models(self, request: Request) -> JSONResponse:
+    def _model_card(self) -> dict:
         name = self.info.served_model_name
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                                          "owned_by": "kvscope", "root": name, "parent": None,
-                                                          "max_model_len": self.info.max_model_len}]})
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope", "root": name, "parent": None,
+                "max_model_len": self.info.max_model_len}
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        name = request.path_params["model"]
+        if name != self.info.served_model_name:
+            return _error(oa.ApiError(404, f"The model `{name}` does not exist.", param="model",
+                                      code="model_not_found"))
+        return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=503 if self.bridge.closed else 200)
