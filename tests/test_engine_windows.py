@@ -176,6 +176,38 @@ def test_prefix_cache_keeps_blocks_outside_the_window_cached(windowed_models):
     bm.check_invariants()
 
 
+def test_prefix_hit_needs_only_the_blocks_inside_the_window(windowed_models):
+    """The leading blocks of a prefix leave the window first, so they are evicted first; a later
+    request with that prefix still hits, because it needs only the cached blocks in its window."""
+    path, ref = windowed_models["mistral-w24"]
+    prompt = token_prompts([64], 300, seed=31)[0]
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", mode="chunked", num_blocks=8, block_size=16,
+                                    prefix_caching=True, max_num_batched_tokens=96))
+    bm = engine.block_manager
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    first_blocks = bm.match_prefix(prompt)  # blocks 0 and 1 are outside the window of position 63
+    assert len(first_blocks) == 4 and first_blocks[:2] == [None, None]
+    # an unrelated 95-token prompt (6 blocks) takes the 4 plain free blocks and evicts the two
+    # oldest cached ones, blocks 0 and 1; it ends after its prefill, so it takes nothing more
+    engine.add_request(token_prompts([95], 300, seed=32)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    assert bm.evictions == 2 and bm.match_prefix(prompt[:32]) == []
+    follow = prompt + token_prompts([5], 300, seed=33)[0]
+    hits_before = bm.hit_tokens
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(follow, SamplingParams(max_tokens=12, ignore_eos=True))
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert bm.hit_tokens - hits_before == 64, "blocks 2 and 3 alone should serve the 64-token prefix"
+    assert list(done[-1].output_token_ids) == ref.greedy(follow, 12)
+    bm.check_invariants()
+
+
 def test_swapped_request_comes_back_with_its_window_only(windowed_models):
     """Swap-out keeps only the blocks in the window; swap-in takes fresh blocks for them alone."""
     path, ref = windowed_models["mistral-w24"]

@@ -23,7 +23,9 @@ sliding-window manager does, and the request's table keeps only the blocks from 
 window on: ``table()`` still returns the logical table, with 0 standing in for each
 released block (attention never reads it). A released block is an ordinary release
 in the deltas: freed, or with prefix caching a RefChange to 0 that keeps it cached
-for a later request with the same prefix, evicted like any other cached block.
+for a later request with the same prefix, evicted like any other cached block. Such
+a request needs only the cached blocks inside the window of its first computed
+token (``match_prefix``), and takes only those.
 """
 
 from __future__ import annotations
@@ -138,23 +140,41 @@ class BlockManager:
     def can_grow(self, req_id: int, total_tokens: int) -> bool:
         return self.new_blocks_for(req_id, total_tokens) <= self.num_free
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding the longest run of token_ids' leading full blocks (empty without caching)."""
+    def match_prefix(self, token_ids: list[int]) -> list[int | None]:
+        """Cached blocks holding the longest run of token_ids' leading full blocks (empty without caching).
+
+        With a sliding window only the blocks inside the window of the first token to compute are
+        read, so the run may start there (as vLLM's sliding-window manager matches): the entries
+        before it are None, whether those blocks are still cached or not.
+        """
         if not self.enable_caching:
             return []
         bs = self.block_size
-        blocks: list[int] = []
+        blocks: list[int | None] = []
         parent = None
         for i in range(len(token_ids) // bs):
             key = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._by_hash.get(key)
-            if block is None:
+            if block is None and self.sliding_window is None:
                 break
             blocks.append(block)
             parent = key
-        return blocks
+        return blocks if self.sliding_window is None else self._window_hits(blocks, len(token_ids))
 
-    def can_admit(self, hits: list[int], computed: int, total_tokens: int) -> bool:
+    def _window_hits(self, blocks: list[int | None], num_tokens: int) -> list[int | None]:
+        """The longest prefix of `blocks` whose entries from the computed point's window on are cached."""
+        runs, run = [], 0  # runs[i]: cached blocks in a row ending at block i
+        for block in blocks:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for k in range(len(blocks), 0, -1):
+            computed = min(k * self.block_size, num_tokens - 1)  # the scheduler always computes the last token
+            lo = self.outside_window(computed)
+            if computed > 0 and runs[k - 1] >= k - lo:
+                return [None] * lo + blocks[lo:k]
+        return []
+
+    def can_admit(self, hits: list[int | None], computed: int, total_tokens: int) -> bool:
         """Whether a new request with tokens [0, computed) in `hits` can get blocks covering total_tokens."""
         skip = self.outside_window(computed)  # hits before the window are not needed
         shared = hits[skip : computed // self.block_size]  # hits it shares; a last, partly used one is copied
@@ -208,7 +228,7 @@ class BlockManager:
             self._free.append(block)
             self._log.free(block)
 
-    def admit(self, req_id: int, hits: list[int], computed: int, total_tokens: int) -> bool:
+    def admit(self, req_id: int, hits: list[int | None], computed: int, total_tokens: int) -> bool:
         """Give a new request the cached blocks `hits` (tokens [0, computed) are in them), then
         blocks up to total_tokens; all or nothing. A hit block that the first computed token
         would write into is copied (copy-on-write) rather than shared."""
@@ -221,8 +241,11 @@ class BlockManager:
         if skip:
             self._dropped[req_id] = skip
         chain = self._chains.setdefault(req_id, [])
+        # keys of a hit run that starts at block 0; otherwise set_filled rebuilds them from the tokens
+        keyed = None not in hits
         for i, block in enumerate(hits):
-            chain.append(self.block_hash[block])
+            if keyed:
+                chain.append(self.block_hash[block])
             if i < skip:
                 continue  # before the window: its KV is never read, so it is not taken
             if computed < (i + 1) * bs:

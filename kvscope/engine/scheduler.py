@@ -197,7 +197,7 @@ class Scheduler:
         self._preempt(victim, out, reason="priority")
         return True
 
-    def _cached_prefix(self, head: Request) -> tuple[list[int], int]:
+    def _cached_prefix(self, head: Request) -> tuple[list[int | None], int]:
         """(hit blocks, tokens already computed) for the head of WAITING."""
         if head.status is RequestStatus.SWAPPED or not self.bm.enable_caching:
             return [], head.num_computed_tokens
@@ -243,7 +243,8 @@ class Scheduler:
                     head.num_cached_tokens = computed
                 head.num_computed_tokens = computed
                 if computed:
-                    out.hits.append((head.req_id, computed, len(hits)))
+                    # blocks shared or revived: none before the window of a sliding-window model
+                    out.hits.append((head.req_id, computed, len(hits) - self.bm.outside_window(computed)))
             self._admit(head, now)
             self._schedule_tokens(out, head, n)
             budget_left -= n
