@@ -246,6 +246,9 @@ REFUSALS = {
     "attention sinks": ("mistral-w24", {"use_attention_sinks": True}, "use_attention_sinks"),
     "chunked attention": ("mistral-w24", {"attention_chunk_size": 8}, "attention_chunk_size"),
     "bad window": ("mistral-w24", {"sliding_window": 0}, "sliding_window"),
+    "one-token window": ("mistral-w24", {"sliding_window": 1}, "sliding_window"),
+    "mistral with mixed layer types": ("mistral-w24", {"layer_types": ["full_attention", "sliding_attention"]},
+                                       "layer_types"),
     "dynamic rope": ("mistral-w24", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
                                                          "rope_theta": 10000.0}}, "rope"),
 }
@@ -297,3 +300,16 @@ def test_window_wider_than_every_context_equals_full_attention(tmp_path):
     ref = HFReference(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval())
     assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 12)
     assert llm.engine.block_manager.sliding_window == 4096
+
+
+def test_mistral_listing_layer_types_that_agree_runs(tmp_path):
+    """layer_types all sliding on a mistral checkpoint: Mistral's and Ministral's readings agree, so it runs."""
+    from transformers import AutoModelForCausalLM
+
+    path = _edited(tmp_path, "mistral-w24", {"layer_types": ["sliding_attention"] * 2})
+    prompts = token_prompts([40], 300, seed=6)
+    llm = LLM(path, device="cpu", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
+    assert llm.engine.loaded.attention.layer_windows == (24, 24)
+    ref = HFReference(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval())
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 10)

@@ -5,8 +5,10 @@ the model's attention does beyond causal softmax over a paged context, or over a
 sliding window of it, must be implemented here or refused. Which layers slide is
 decided exactly as transformers' modeling code of each family decides it:
 
-- Mistral: every layer slides by ``sliding_window`` when it is set (``layer_types``
-  is ignored by MistralModel).
+- Mistral: every layer slides by ``sliding_window`` when it is set. A mistral
+  config.json that lists ``layer_types`` is read by transformers' AutoConfig as
+  Ministral, whose rule is Qwen's below, while MistralForCausalLM ignores them: kvscope
+  refuses such a checkpoint unless both readings agree.
 - Qwen2 / Qwen3: layer i slides by ``sliding_window`` when ``layer_types[i]`` is
   ``"sliding_attention"``; the config class derives ``layer_types`` from
   ``use_sliding_window`` and ``max_window_layers`` (layers >= max_window_layers
@@ -74,6 +76,12 @@ def check_raw_config(raw: dict, where: str) -> None:
         if "sink" in field.lower() and _set(value):
             raise KvscopeError(f"{where}: {field}={value!r} asks for attention sinks, which kvscope does not implement")
     arch = raw.get("model_type")
+    types = raw.get("layer_types")
+    if arch == "mistral" and types is not None:
+        mistral_rule = SLIDING if raw.get("sliding_window") is not None else FULL
+        if not isinstance(types, list) or any(t != mistral_rule for t in types):
+            raise KvscopeError(f"{where}: layer_types on a mistral checkpoint: MistralForCausalLM ignores it "
+                               "but AutoModelForCausalLM reads the checkpoint as Ministral, and the two disagree")
     if arch == "llama" and _set(raw.get("sliding_window")):
         raise KvscopeError(f"{where}: sliding_window={raw['sliding_window']!r} on a llama checkpoint, whose "
                            "transformers model ignores it; use model_type mistral for a windowed model")
@@ -91,9 +99,14 @@ def attention_spec(config, where: str) -> AttentionSpec:
     window = getattr(config, "sliding_window", None)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise KvscopeError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    if window == 1:
+        # transformers' sliding cache keeps the last w-1 keys as [-(w-1):], which for w=1 is all
+        # of them: its generate then disagrees with its own forward, so there is no answer to match
+        raise KvscopeError(f"{where}: sliding_window=1 is not supported (transformers' generate attends "
+                           "over the whole cache for it)")
     if arch == "mistral":
         return AttentionSpec((window,) * n)
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "ministral"):
         types = list(getattr(config, "layer_types", None) or [FULL] * n)
         if len(types) != n:
             raise KvscopeError(f"{where}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
