@@ -11,7 +11,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvscope.protocol.events import RequestEvent
+import bisect
+from array import array
+
+from kvscope.protocol.events import RequestEvent, StepEvent
 from kvscope.traces.figures import RunFigures
 
 MAX_RUNS = 4
@@ -37,6 +40,13 @@ class Run:
     workload: tuple = ()  # (requests, prompt tokens, max_tokens) of the whole run
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    finish_t: array = field(default_factory=lambda: array("d"))  # finish times, sorted
+    finish_tokens: array = field(default_factory=lambda: array("q"))  # output tokens finished by then
+
+    def finished_by(self, t: float) -> tuple[int, int]:
+        """(requests finished, their output tokens) by engine time ``t``: exact, whatever the seeks."""
+        i = bisect.bisect_right(self.finish_t, t + 1e-12)
+        return i, (self.finish_tokens[i - 1] if i else 0)
 
     @property
     def name(self) -> str:
@@ -85,19 +95,32 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
         prompt_tokens = max_tokens = 0
         first = None
         seen: set[int] = set()
+        finishes: list[tuple[float, int]] = []
         for ev in trace:
             acc.add(ev)
+            if type(ev) is StepEvent and ev.finished:
+                end = ev.t + ev.dur
+                finishes.extend((end, f.output_len) for f in ev.finished)
             if type(ev) is RequestEvent and ev.req not in seen:
                 seen.add(ev.req)
                 prompt_tokens += ev.prompt_len
                 max_tokens += ev.max_tokens
                 if first is None or ev.arrival < first:
                     first = float(ev.arrival)
+        finishes.sort()
+        total = 0
+        for t, n in finishes:
+            total += n
+            run.finish_t.append(t)
+            run.finish_tokens.append(total)
         run.figures = acc.row(label)
         run.first_arrival = first
         run.workload = (len(seen), prompt_tokens, max_tokens)
         run.warnings = list(getattr(trace, "warnings", []) or [])
         run.controller = ReplayController(trace, playing=False, clock=clock)
+        # Forward moves always apply every event, as live did, so the figures "so far" hold;
+        # only a move back starts again from a snapshot.
+        run.controller.FORWARD_LIMIT = 1 << 62
     except (OSError, ProtocolError, ValueError) as e:
         run.error = _one_line(e)
     return run

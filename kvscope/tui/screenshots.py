@@ -1,6 +1,7 @@
-"""Deterministic SVG screenshots of the dashboard, request detail and replay screens.
+"""Deterministic SVG screenshots of the dashboard, request detail, replay and compare screens.
 
     python -m kvscope.tui.screenshots TRACE.kvtrace OUTDIR [--step N]
+    python -m kvscope.tui.screenshots --compare OUT.svg TRACE TRACE [TRACE TRACE] [--at SECONDS]
 
 The replay is paused and driven by keys, on a clock that never moves, so the same
 trace gives the same SVGs byte for byte. Without ``--step`` the script picks the
@@ -81,6 +82,29 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
         f.write(svg)
 
 
+async def _shoot_compare(paths: list[str], out_path: str, size: tuple[int, int], at: float | None) -> None:
+    from kvscope.tui.compare_app import make_compare_app
+
+    app = make_compare_app(paths, playing=False, clock=lambda: 0.0, auto_tick=False)
+    async with app.run_test(size=size) as pilot:
+        # Default moment: 40% into the fastest run, while every run is still busy.
+        ends = [t.end for t in app.sync.tracks if t is not None and t.keys]
+        app.sync.seek_time(at if at is not None else 0.4 * min(ends, default=0.0))
+        app.pump()
+        app.redraw(force=True)
+        await pilot.pause()
+        svg = app.export_screenshot(title="kvscope compare")
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write(svg)
+
+
+def make_compare_screenshot(paths: list[str], out_path: str, size: tuple[int, int] = (160, 45),
+                            at: float | None = None) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    asyncio.run(_shoot_compare(paths, out_path, size, at))
+    return out_path
+
+
 def make_screenshots(trace_path: str, outdir: str, step: int | None = None) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     written = []
@@ -93,11 +117,17 @@ def make_screenshots(trace_path: str, outdir: str, step: int | None = None) -> l
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvscope.tui.screenshots", description=__doc__.splitlines()[0])
-    p.add_argument("trace")
-    p.add_argument("outdir")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="TRACE OUTDIR, or with --compare: 2-4 traces")
     p.add_argument("--step", type=int, default=None, help="step for the dashboard and detail shots")
+    p.add_argument("--compare", metavar="OUT.svg", default=None, help="one compare screenshot of the traces")
+    p.add_argument("--at", type=float, default=None, help="with --compare: seconds since the first arrival")
     args = p.parse_args(argv)
-    for path in make_screenshots(args.trace, args.outdir, args.step):
+    if args.compare:
+        print(make_compare_screenshot(args.paths, args.compare, at=args.at))
+        return 0
+    if len(args.paths) != 2:
+        p.error("give TRACE OUTDIR")
+    for path in make_screenshots(args.paths[0], args.paths[1], args.step):
         print(path)
     return 0
 

@@ -29,6 +29,12 @@ HELP = """\
   g  seek to a step (type 12.5s for a time)    t  seek to a time
   p  next preemption      + / -  speed x0.1 … x100
 
+[b]Compare[/b]  (kvscope compare A B [C D], kvscope race)
+  one column per run, all on one clock: the replay keys above move every run
+  tab / shift+tab   next / previous run     [ / ]  page when not all runs fit
+  enter             the focused run's full dashboard at the same moment
+  ★                 the best run for that figure in the summary strip
+
 [b]Queues[/b]  chunks = prefill chunks done/total. Total is an estimate:
   done + ceil(prompt tokens left / chunk size) in chunked mode (chunk size =
   the token budget), one chunk otherwise; a recompute preemption restarts it.

@@ -106,12 +106,13 @@ class RunNumbers(StateWidget):
             ln.append(f"{fmt.latency(_pct(h, 0.99)):>6}", style=pal.p99)
             lines.append(ln)
         origin = self.run.first_arrival or 0.0
-        elapsed = (st.last_batch.t + st.last_batch.dur - origin) if st.last_batch else 0.0
-        rate = st.tokens_out / elapsed if elapsed > 0 else 0.0
+        now = (st.last_batch.t + st.last_batch.dur) if st.last_batch else origin
+        done, tokens = self.run.finished_by(now)
+        elapsed = now - origin
         ln = Text(" tok/s ", style="bold", no_wrap=True)
-        ln.append(f"{fmt.rate(rate):>5}")
+        ln.append(f"{fmt.rate(tokens / elapsed if elapsed > 0 else 0.0):>5}")
         total = self.run.workload[0] if self.run.workload else 0
-        ln.append(f"  done {st.finished_count}/{total}", style=pal.dim)
+        ln.append(f"  done {done}/{total}", style=pal.dim)
         lines.append(ln)
         if self.verdict:
             lines.append(Text(f" ⚑ {self.verdict}", style=f"bold {pal.warn}", no_wrap=True))

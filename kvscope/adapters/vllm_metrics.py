@@ -1,0 +1,155 @@
+"""vLLM's Prometheus metrics, read with prometheus_client's own parser, turned into a view.
+
+Gauges are shown as scraped (summed over the `engine` label: data-parallel ranks).
+Counters become rates, and histograms become bucket deltas, over a sliding window of
+scrapes. Percentiles come from those deltas by linear interpolation inside the bucket
+that holds the rank, as Prometheus' histogram_quantile does: they are estimates, and the
+screen says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_TEXT_BYTES = 8 << 20
+PREFIX = "vllm:"
+
+
+class MetricsError(Exception):
+    """Metric text that cannot be read (one line)."""
+
+
+@dataclass
+class Scrape:
+    t: float  # wall seconds
+    gauges: dict[str, float] = field(default_factory=dict)
+    by_label: dict[str, dict[str, float]] = field(default_factory=dict)  # gauge -> reason/label -> value
+    counters: dict[str, float] = field(default_factory=dict)  # name without _total
+    buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # cumulative (le, count)
+    skipped: int = 0  # malformed or unknown samples
+
+
+def parse(text: str, t: float) -> Scrape:
+    """One /metrics body to a Scrape (only `vllm:` families are kept)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if len(text) > MAX_TEXT_BYTES:
+        raise MetricsError(f"metrics text of {len(text)} bytes is over the {MAX_TEXT_BYTES}-byte limit")
+    scrape = Scrape(t)
+    buckets: dict[str, dict[float, float]] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as e:  # the parser raises ValueError and friends on bad lines
+        raise MetricsError(f"not Prometheus text: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}") \
+            from None
+    for fam in families:
+        if not fam.name.startswith(PREFIX):
+            continue
+        name = fam.name[len(PREFIX):]
+        for s in fam.samples:
+            value = s.value
+            if not isinstance(value, (int, float)) or math.isnan(value):
+                scrape.skipped += 1
+                continue
+            if fam.type == "gauge":
+                scrape.gauges[name] = scrape.gauges.get(name, 0.0) + value
+                label = s.labels.get("reason")
+                if label is not None:
+                    scrape.by_label.setdefault(name, {})
+                    scrape.by_label[name][label] = scrape.by_label[name].get(label, 0.0) + value
+            elif fam.type == "counter" and s.name.endswith("_total"):
+                scrape.counters[name] = scrape.counters.get(name, 0.0) + value
+            elif fam.type == "histogram" and s.name.endswith("_bucket"):
+                try:
+                    le = float(s.labels["le"])
+                except (KeyError, ValueError):
+                    scrape.skipped += 1
+                    continue
+                per = buckets.setdefault(name, {})
+                per[le] = per.get(le, 0.0) + value
+    for name, per in buckets.items():
+        scrape.buckets[name] = sorted(per.items())
+    return scrape
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """histogram_quantile over cumulative (le, count) pairs; None when empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    lo_bound, lo_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lo_bound  # the rank is past the last finite bucket: its bound is all we know
+            width = count - lo_count
+            frac = (rank - lo_count) / width if width > 0 else 1.0
+            return lo_bound + (le - lo_bound) * frac
+        lo_bound, lo_count = le, count
+    return lo_bound
+
+
+@dataclass
+class MetricsView:
+    """The last scrape plus a window of earlier ones, for rates and bucket deltas."""
+
+    window_s: float = 30.0
+    scrapes: deque = field(default_factory=lambda: deque(maxlen=512))
+    errors: int = 0
+    last_error: str | None = None
+
+    def add(self, scrape: Scrape) -> None:
+        self.scrapes.append(scrape)
+        while len(self.scrapes) > 2 and self.scrapes[1].t < scrape.t - self.window_s:
+            self.scrapes.popleft()
+
+    def fail(self, message: str) -> None:
+        self.errors += 1
+        self.last_error = message
+
+    @property
+    def last(self) -> Scrape | None:
+        return self.scrapes[-1] if self.scrapes else None
+
+    def gauge(self, name: str, *aliases: str) -> float | None:
+        s = self.last
+        if s is None:
+            return None
+        for n in (name, *aliases):
+            if n in s.gauges:
+                return s.gauges[n]
+        return None
+
+    def rate(self, name: str) -> float | None:
+        if len(self.scrapes) < 2:
+            return None
+        a, b = self.scrapes[0], self.scrapes[-1]
+        if name not in b.counters or b.t <= a.t:
+            return None
+        delta = b.counters[name] - a.counters.get(name, 0.0)
+        return max(0.0, delta) / (b.t - a.t)  # a counter reset reads as 0, not negative
+
+    def hit_rate(self) -> float | None:
+        if len(self.scrapes) < 2:
+            return None
+        a, b = self.scrapes[0], self.scrapes[-1]
+        q = b.counters.get("prefix_cache_queries", 0.0) - a.counters.get("prefix_cache_queries", 0.0)
+        h = b.counters.get("prefix_cache_hits", 0.0) - a.counters.get("prefix_cache_hits", 0.0)
+        return h / q if q > 0 else None
+
+    def window_buckets(self, name: str) -> list[tuple[float, float]]:
+        """Cumulative bucket counts added over the window (all since start with one scrape)."""
+        if not self.scrapes:
+            return []
+        b = self.scrapes[-1].buckets.get(name, [])
+        if len(self.scrapes) < 2:
+            return list(b)
+        a = dict(self.scrapes[0].buckets.get(name, []))
+        return [(le, max(0.0, c - a.get(le, 0.0))) for le, c in b]
+
+    def percentiles(self, name: str) -> tuple[float | None, float | None, float | None]:
+        b = self.window_buckets(name)
+        return quantile(b, 0.5), quantile(b, 0.9), quantile(b, 0.99)

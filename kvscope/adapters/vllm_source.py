@@ -1,0 +1,226 @@
+"""Watching a running vLLM: a metrics poller and a KV-event subscriber with gap replay.
+
+Two daemon threads feed one VllmState under a lock; the TUI reads a consistent copy of
+the numbers it draws. Everything from the network is bounded (message size, receive
+queue, metric text) and anything malformed is counted and skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvscope.adapters.vllm_cache import CacheView
+from kvscope.adapters.vllm_metrics import MetricsError, MetricsView, parse
+from kvscope.adapters.vllm_wire import END_SEQ, WireError, decode_batch, decode_seq, encode_seq
+
+MAX_MESSAGE_BYTES = 16 << 20
+RECV_HWM = 10_000
+REPLAY_TIMEOUT_S = 2.0
+POLL_MS = 100
+
+
+@dataclass
+class KvStats:
+    received: int = 0
+    replayed: int = 0
+    malformed: int = 0
+    gaps: int = 0
+    missed: int = 0  # batches lost for good (not in the replay buffer either)
+    last_seq: int = -1
+    last_error: str | None = None
+
+
+@dataclass
+class VllmState:
+    url: str | None
+    kv_addr: str | None
+    replay_addr: str | None
+    metrics: MetricsView = field(default_factory=MetricsView)
+    cache: CacheView = field(default_factory=CacheView)
+    kv: KvStats = field(default_factory=KvStats)
+    version: int = 0
+
+
+class VllmSource:
+    """Starts the threads; ``lock`` guards ``state``; ``close`` stops them."""
+
+    def __init__(self, url: str | None = None, kv_events: str | None = None, kv_replay: str | None = None, *,
+                 interval: float = 1.0, window_s: float = 30.0) -> None:
+        if url is None and kv_events is None:
+            raise ValueError("watching vLLM needs --vllm URL or --kv-events ADDR")
+        self.url = url.rstrip("/") if url else None
+        self.interval = max(0.1, float(interval))
+        self.state = VllmState(url, kv_events, kv_replay)
+        self.state.metrics.window_s = window_s
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "VllmSource":
+        if self.url:
+            self._spawn(self._poll_metrics, "kvscope-vllm-metrics")
+        if self.state.kv_addr:
+            self._spawn(self._subscribe, "kvscope-vllm-kv")
+        return self
+
+    def _spawn(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    # -- metrics --------------------------------------------------------------------
+    def scrape_once(self, client) -> None:
+        try:
+            resp = client.get(f"{self.url}/metrics")
+            if resp.status_code != 200:
+                raise MetricsError(f"GET {self.url}/metrics: HTTP {resp.status_code}")
+            scrape = parse(resp.text, time.time())
+        except MetricsError as e:
+            with self.lock:
+                self.state.metrics.fail(str(e))
+                self.state.version += 1
+            return
+        except Exception as e:  # network errors: httpx.HTTPError, OSError
+            with self.lock:
+                self.state.metrics.fail(f"GET {self.url}/metrics: {type(e).__name__}: {str(e)[:100]}")
+                self.state.version += 1
+            return
+        with self.lock:
+            self.state.metrics.add(scrape)
+            self.state.metrics.last_error = None
+            self.state.version += 1
+
+    def _poll_metrics(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=min(5.0, self.interval * 2 + 1.0)) as client:
+            while not self._stop.is_set():
+                self.scrape_once(client)
+                self._stop.wait(self.interval)
+
+    # -- KV events ------------------------------------------------------------------
+    def _socket(self, kind: int, addr: str):
+        import zmq
+
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        return sock
+
+    def _subscribe(self) -> None:
+        import zmq
+
+        try:
+            sub = self._socket(zmq.SUB, self.state.kv_addr)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+        except zmq.ZMQError as e:
+            with self.lock:
+                self.state.kv.last_error = f"cannot connect {self.state.kv_addr}: {e}"
+            return
+        # Batches published before this view started are only in the replay buffer.
+        self.replay_from(0)
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(POLL_MS):
+                    continue
+                self.handle_frames(sub.recv_multipart())
+        finally:
+            sub.close()
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        """One PUB message: topic | seq | payload. Replays the gap before it if there is one."""
+        kv = self.state.kv
+        if len(frames) != 3:
+            with self.lock:
+                kv.malformed += 1
+                kv.last_error = f"message of {len(frames)} frames, expected topic | seq | payload"
+            return
+        try:
+            seq = decode_seq(frames[1])
+        except WireError as e:
+            with self.lock:
+                kv.malformed += 1
+                kv.last_error = str(e)
+            return
+        if seq <= kv.last_seq:
+            return  # already applied (from a replay)
+        if seq > kv.last_seq + 1:
+            with self.lock:
+                kv.gaps += 1
+            self.replay_from(kv.last_seq + 1)
+            if seq <= kv.last_seq:
+                return
+            if seq > kv.last_seq + 1:
+                with self.lock:
+                    kv.missed += seq - kv.last_seq - 1
+        self._apply(seq, frames[2], replayed=False)
+
+    def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        kv = self.state.kv
+        try:
+            batch = decode_batch(payload)
+        except WireError as e:
+            with self.lock:
+                kv.malformed += 1
+                kv.last_error = str(e)
+                kv.last_seq = max(kv.last_seq, seq)
+            return
+        with self.lock:
+            self.state.cache.apply(batch)
+            kv.last_seq = seq
+            if replayed:
+                kv.replayed += 1
+            else:
+                kv.received += 1
+            self.state.version += 1
+
+    def replay_from(self, start: int) -> int:
+        """Ask the ROUTER for every buffered batch from ``start``; returns how many were applied."""
+        if not self.state.replay_addr:
+            return 0
+        import zmq
+
+        applied = 0
+        try:
+            dealer = self._socket(zmq.DEALER, self.state.replay_addr)
+        except zmq.ZMQError as e:
+            with self.lock:
+                self.state.kv.last_error = f"cannot connect {self.state.replay_addr}: {e}"
+            return 0
+        try:
+            dealer.send_multipart([b"", encode_seq(start)])
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if not dealer.poll(POLL_MS):
+                    continue
+                frames = dealer.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 2:
+                    with self.lock:
+                        self.state.kv.malformed += 1
+                    continue
+                try:
+                    seq = decode_seq(frames[0])
+                except WireError:
+                    with self.lock:
+                        self.state.kv.malformed += 1
+                    continue
+                if seq == END_SEQ:
+                    break
+                if seq > self.state.kv.last_seq:
+                    self._apply(seq, frames[1], replayed=True)
+                    applied += 1
+                deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        finally:
+            dealer.close()
+        return applied
