@@ -239,6 +239,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- watchers ---------------------------------------------------------------------------
 def cmd_tui(args: argparse.Namespace) -> int:
+    if args.vllm or args.kv_events:
+        from kvscope.tui.vllm_app import run_vllm
+
+        if args.interval <= 0:
+            raise UsageError(f"--interval {args.interval}: must be above 0 seconds")
+        if args.vllm and not args.vllm.startswith(("http://", "https://")):
+            raise UsageError(f"--vllm {args.vllm}: expected a URL such as http://127.0.0.1:8000")
+        run_vllm(args.vllm, args.kv_events, args.kv_replay, interval=args.interval, palette=args.palette)
+        return 0
     from kvscope.tui.launch import run_live
 
     run_live(args.connect, args.control, palette=args.palette)
@@ -341,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "tui":
             p.add_argument("--connect", default=DEFAULT_EVENTS_ADDR, metavar="ADDR")
             p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
+            p.add_argument("--vllm", metavar="URL", help="watch a vLLM server instead: poll URL/metrics")
+            p.add_argument("--kv-events", metavar="ADDR", help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557")
+            p.add_argument("--kv-replay", metavar="ADDR", help="vLLM's KV-event replay ROUTER socket")
+            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--vllm: seconds between scrapes")
         else:
             p.add_argument("--device", default="auto")
             p.add_argument("--sim", action="store_true",

@@ -1,0 +1,228 @@
+"""Watching vLLM: its /metrics and KV-event wire formats, against a stand-in that speaks them exactly."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from kvscope.adapters.vllm_cache import CacheView
+from kvscope.adapters.vllm_metrics import MetricsView, parse, quantile
+from kvscope.adapters.vllm_source import VllmSource
+from kvscope.adapters.vllm_wire import WireError, decode_batch
+from tests.fakes.vllm import FakeKvPublisher, FakeMetricsServer
+
+
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def metrics_server():
+    server = FakeMetricsServer()
+    yield server
+    server.close()
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+def test_metrics_view_shows_published_counts_rates_and_percentiles(metrics_server):
+    m = metrics_server
+    m.running.set(7)
+    m.waiting.set(3)
+    m.waiting_by_reason.labels("Qwen/Qwen3-0.6B", "0", "capacity").set(2)
+    m.waiting_by_reason.labels("Qwen/Qwen3-0.6B", "0", "deferred").set(1)
+    m.kv.set(0.42)
+    source = VllmSource(m.url, interval=0.1)
+    with httpx.Client() as client:
+        source.scrape_once(client)
+        for _ in range(100):
+            m.ttft.observe(0.07)  # in the (0.06, 0.08] bucket
+        m.itl.observe(0.02)
+        m.generation.inc(500)
+        m.prompt.inc(2000)
+        m.preemptions.inc(4)
+        m.queries.inc(1000)
+        m.hits.inc(250)
+        time.sleep(0.05)
+        source.scrape_once(client)
+    view = source.state.metrics
+    assert view.last_error is None
+    assert view.gauge("num_requests_running") == 7
+    assert view.gauge("num_requests_waiting") == 3
+    assert view.last.by_label["num_requests_waiting_by_reason"] == {"capacity": 2, "deferred": 1}
+    assert view.gauge("kv_cache_usage_perc") == pytest.approx(0.42)
+    span = view.scrapes[-1].t - view.scrapes[0].t
+    assert view.rate("generation_tokens") == pytest.approx(500 / span)
+    assert view.rate("num_preemptions") == pytest.approx(4 / span)
+    assert view.hit_rate() == pytest.approx(0.25)
+    p50, p90, p99 = view.percentiles("time_to_first_token_seconds")
+    assert 0.06 <= p50 <= p99 <= 0.08  # interpolated inside the bucket that holds the rank
+
+
+def test_histogram_quantile_matches_prometheus_interpolation():
+    buckets = [(0.1, 10.0), (0.2, 30.0), (0.4, 40.0), (float("inf"), 40.0)]
+    assert quantile(buckets, 0.5) == pytest.approx(0.1 + 0.1 * (20 - 10) / 20)
+    assert quantile(buckets, 0.25) == pytest.approx(0.1 * 10 / 10 * 1.0)
+    assert quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
+    assert quantile([(1.0, 1.0), (float("inf"), 5.0)], 0.99) == 1.0  # rank in +Inf: the last finite bound
+
+
+def test_bad_metric_text_is_one_error_and_the_view_keeps_going(metrics_server):
+    source = VllmSource(metrics_server.url)
+    with httpx.Client() as client:
+        source.scrape_once(client)
+        metrics_server.body_override = b"vllm:num_requests_running{engine=\"0\" 3\n\x00garbage {{{"
+        source.scrape_once(client)
+        assert source.state.metrics.errors == 1 and "\n" not in source.state.metrics.last_error
+        metrics_server.body_override = None
+        source.scrape_once(client)
+    assert source.state.metrics.last_error is None and len(source.state.metrics.scrapes) == 2
+    bad = VllmSource("http://127.0.0.1:9")  # nothing listens there
+    with httpx.Client(timeout=1.0) as client:
+        bad.scrape_once(client)
+    assert bad.state.metrics.errors == 1
+
+
+def test_parse_keeps_only_vllm_families_and_sums_engines():
+    text = ('# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 5\n'
+            '# TYPE other_metric gauge\nother_metric 9\n')
+    s = parse(text, 0.0)
+    assert s.gauges == {"num_requests_running": 7}
+
+
+# ---- KV events: the wire --------------------------------------------------------------------
+@pytest.mark.parametrize("legacy", [True, False])
+def test_both_encodings_decode_to_the_same_events(legacy):
+    pub = FakeKvPublisher(legacy=legacy)
+    try:
+        events = [pub.stored([1, 2, 3], None), pub.stored([b"\x01" * 32], 3, medium="CPU"), pub.removed([2]),
+                  pub.cleared()]
+        payload = msgspec.msgpack.encode(_batch(pub, events))
+        batch = decode_batch(payload)
+    finally:
+        pub.close()
+    kinds = [type(e).__name__ for e in batch.events]
+    assert kinds == ["Stored", "Stored", "Removed", "Cleared"]
+    assert batch.events[0].block_hashes == [1, 2, 3] and batch.events[0].num_tokens == 48
+    assert batch.events[1].parent == 3 and batch.events[1].medium == "CPU"
+    assert batch.dp_rank == 0
+
+
+def _batch(pub, events):
+    from tests.fakes.vllm import Batch, LegacyBatch
+
+    return (LegacyBatch if pub.legacy else Batch)(1.0, events, 0)
+
+
+def test_unknown_event_types_and_fields_are_skipped_not_fatal():
+    payload = msgspec.msgpack.encode({"ts": 1.0, "events": [
+        {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [1] * 16,
+         "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "a_future_field": [1, 2]},
+        {"type": "SomethingNew", "x": 1}], "data_parallel_rank": 2, "also_new": True})
+    batch = decode_batch(payload)
+    assert len(batch.events) == 1 and batch.unknown == 1 and batch.dp_rank == 2
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x91" * 5000 + b"\x00", b"\xdd\xff\xff\xff\xff",
+                                     msgspec.msgpack.encode("not a batch"), msgspec.msgpack.encode([1.0, 5]),
+                                     b"\x92\xcb" + b"\x00" * 3])
+def test_garbage_payloads_are_wire_errors(payload):
+    with pytest.raises(WireError):
+        decode_batch(payload)
+
+
+# ---- KV events: the live view, gaps and replay -----------------------------------------------
+@pytest.mark.parametrize("legacy", [True, False])
+def test_view_recovers_batches_published_before_it_started_and_after_a_gap(legacy):
+    pub = FakeKvPublisher(legacy=legacy)
+    source = None
+    try:
+        # Before the view exists: a prefix 1 -> 2 -> 3, and two more continuations of 2.
+        pub.publish([pub.stored([1, 2, 3], None)], ts=1.0)
+        pub.publish([pub.stored([4], 2), pub.stored([8], 2)], ts=1.5)
+        source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
+        assert wait_for(lambda: source.state.kv.last_seq == 1), "replayed the batches it missed at start"
+        assert source.state.cache.cached_blocks == 5
+        time.sleep(0.3)  # let the SUB connection settle (PUB drops messages to a joining subscriber)
+        pub.publish([pub.stored([5, 6], 4, medium="CPU")], ts=2.0)
+        assert wait_for(lambda: source.state.kv.last_seq == 2)
+        pub.publish([pub.removed([3])], ts=2.5, drop=True)  # lost on the PUB socket: only replay has it
+        pub.publish([pub.stored([7], 6)], ts=3.0)
+        assert wait_for(lambda: source.state.kv.last_seq == 4)
+        with source.lock:
+            cache = source.state.cache
+            kv = source.state.kv
+            assert cache.cached_blocks == 7  # 1 2 4 8 5 6 7: 3 was removed by the batch only replay had
+            assert kv.gaps >= 1 and kv.replayed >= 3 and kv.missed == 0
+            assert cache.per_medium["GPU"] == 5 and cache.per_medium["CPU"] == 2
+            assert cache.roots == 1 and cache.max_depth == 6
+            assert cache.top_prefixes() == [(2, 2, 2)]  # block 2, depth 2, continued by 4 and 8
+    finally:
+        if source is not None:
+            source.close()
+        pub.close()
+
+
+def test_view_survives_garbage_on_the_socket():
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr).start()
+    try:
+        time.sleep(0.3)
+        for frames in ([b"only one frame"], [b"", b"short", b"x"], [b"", (0).to_bytes(8, "big"), b"\xc1"],
+                       [b"", (1).to_bytes(8, "big"), b"\x91" * 10_000]):
+            pub.send_raw(frames)
+        pub.seq = 2
+        pub.publish([pub.stored([1], None)])
+        assert wait_for(lambda: source.state.cache.cached_blocks == 1)
+        assert source.state.kv.malformed == 4
+        assert source.state.kv.last_error and "\n" not in source.state.kv.last_error
+    finally:
+        source.close()
+        pub.close()
+
+
+def test_cache_view_is_bounded(monkeypatch):
+    from kvscope.adapters import vllm_cache
+    from kvscope.adapters.vllm_wire import Batch, Stored
+
+    monkeypatch.setattr(vllm_cache, "MAX_BLOCKS", 100)
+    view = CacheView()
+    view.apply(Batch(0.0, [Stored(list(range(1000)), None, 16000, 16, "GPU")], 0))
+    assert view.cached_blocks == 100 and view.forgotten == 900 and view.per_medium["GPU"] == 100
+
+
+# ---- the screen -----------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_vllm_screen_shows_queues_kv_and_cached_blocks(metrics_server):
+    from kvscope.tui.vllm_app import VllmApp
+
+    metrics_server.running.set(12)
+    metrics_server.waiting.set(5)
+    metrics_server.kv.set(0.5)
+    pub = FakeKvPublisher(legacy=True)
+    pub.publish([pub.stored([1, 2, 3, 4], None)], ts=1.0)
+    source = VllmSource(metrics_server.url, pub.addr, pub.replay_addr, interval=0.1).start()
+    try:
+        assert wait_for(lambda: source.state.metrics.last is not None and source.state.cache.cached_blocks == 4)
+        app = VllmApp(source, auto_tick=False)
+        async with app.run_test(size=(100, 30)) as pilot:
+            app.pump()
+            await pilot.pause()
+            queues = app.screen.query_one("#vllm-queues").render().plain
+            cache = app.screen.query_one("#vllm-cache").render().plain
+            latency = app.screen.query_one("#vllm-latency").render().plain
+        assert "running 12" in queues and "waiting 5" in queues and "50%" in queues
+        assert "cached blocks 4" in cache and "by hash" in cache
+        assert "interpolated within buckets" in latency
+    finally:
+        source.close()
+        pub.close()
