@@ -184,6 +184,15 @@ def _open_outputs(args, engine, extra_sinks=()):
         from kvscope.traces.writer import TraceWriter
 
         sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
+    if getattr(args, "kv_events_vllm", None):
+        from kvscope.adapters.vllm_publisher import VllmKvPublisher
+
+        if not engine.config.prefix_caching:
+            print("kvscope: note: --kv-events-vllm without --prefix-caching publishes no blocks", file=sys.stderr)
+        publisher = VllmKvPublisher(args.kv_events_vllm, args.kv_replay_vllm, block_size=engine.config.block_size,
+                                    encoding=args.kv_events_vllm_encoding, allow_remote=args.allow_remote)
+        engine.block_manager.cache_events = publisher
+        sinks.append(publisher)
     if args.control:
         from kvscope.workload import PRESETS
         from kvscope.protocol.transport import ControlServer
@@ -239,18 +248,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- watchers ---------------------------------------------------------------------------
 def cmd_tui(args: argparse.Namespace) -> int:
-    if args.vllm or args.kv_events:
+    from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
+
+    connects, controls = args.connect or [], args.control or []
+    urls, kv_events, kv_replays = args.vllm or [], args.kv_events or [], args.kv_replay or []
+    if args.interval <= 0:
+        raise UsageError(f"--interval {args.interval}: must be above 0 seconds")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"--vllm {url}: expected a URL such as http://127.0.0.1:8000")
+    if len(kv_events) > max(1, len(urls)) or len(kv_replays) > len(kv_events) or len(controls) > max(1, len(connects)):
+        raise UsageError("give --kv-events/--kv-replay once per --vllm, and --control once per --connect, in order")
+    if len(connects) + len(urls) > 1:
+        from kvscope.tui.overview_app import run_overview
+
+        if len(connects) + len(urls) > 64:
+            raise UsageError("the overview watches at most 64 engines")
+        kvscope = [(a, controls[i] if i < len(controls) else None) for i, a in enumerate(connects)]
+        vllm = [(u, kv_events[i] if i < len(kv_events) else None, kv_replays[i] if i < len(kv_replays) else None)
+                for i, u in enumerate(urls)]
+        run_overview(kvscope, vllm, interval=args.interval, palette=args.palette)
+        return 0
+    if urls or kv_events:
         from kvscope.tui.vllm_app import run_vllm
 
-        if args.interval <= 0:
-            raise UsageError(f"--interval {args.interval}: must be above 0 seconds")
-        if args.vllm and not args.vllm.startswith(("http://", "https://")):
-            raise UsageError(f"--vllm {args.vllm}: expected a URL such as http://127.0.0.1:8000")
-        run_vllm(args.vllm, args.kv_events, args.kv_replay, interval=args.interval, palette=args.palette)
+        run_vllm(urls[0] if urls else None, kv_events[0] if kv_events else None,
+                 kv_replays[0] if kv_replays else None, interval=args.interval, palette=args.palette)
         return 0
     from kvscope.tui.launch import run_live
 
-    run_live(args.connect, args.control, palette=args.palette)
+    run_live(connects[0] if connects else DEFAULT_EVENTS_ADDR, controls[0] if controls else DEFAULT_CONTROL_ADDR,
+             palette=args.palette)
     return 0
 
 
@@ -326,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control", metavar="ADDR", help=f"accept control requests (e.g. {DEFAULT_CONTROL_ADDR})")
     p.add_argument("--allow-remote", action="store_true", help="allow binding to non-loopback addresses")
     p.add_argument("--record", metavar="FILE", help="record a .kvtrace file")
+    p.add_argument("--kv-events-vllm", metavar="ADDR", help="publish prefix-cache events in vLLM's KV-event format "
+                   "(e.g. tcp://127.0.0.1:5560)")
+    p.add_argument("--kv-replay-vllm", metavar="ADDR", help="with --kv-events-vllm: a vLLM-style replay ROUTER")
+    p.add_argument("--kv-events-vllm-encoding", default="map", choices=["map", "array"],
+                   help="map: vLLM 0.26 and later; array: older releases (default: map)")
     p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     h = p.add_argument_group("HTTP API (docs/HTTP.md) and Prometheus metrics (docs/METRICS.md)")
@@ -348,11 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (("tui", cmd_tui, "watch a live engine"), ("demo", cmd_demo, "engine + dashboard")):
         p = sub.add_parser(name, help=helptext)
         if name == "tui":
-            p.add_argument("--connect", default=DEFAULT_EVENTS_ADDR, metavar="ADDR")
-            p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
-            p.add_argument("--vllm", metavar="URL", help="watch a vLLM server instead: poll URL/metrics")
-            p.add_argument("--kv-events", metavar="ADDR", help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557")
-            p.add_argument("--kv-replay", metavar="ADDR", help="vLLM's KV-event replay ROUTER socket")
+            p.add_argument("--connect", action="append", metavar="ADDR",
+                           help=f"an engine's events (default {DEFAULT_EVENTS_ADDR}); repeat for an overview")
+            p.add_argument("--control", action="append", metavar="ADDR",
+                           help=f"its control socket (default {DEFAULT_CONTROL_ADDR}); once per --connect")
+            p.add_argument("--vllm", action="append", metavar="URL",
+                           help="a vLLM server: poll URL/metrics (docs/VLLM.md); repeat for an overview")
+            p.add_argument("--kv-events", action="append", metavar="ADDR",
+                           help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557; once per --vllm")
+            p.add_argument("--kv-replay", action="append", metavar="ADDR",
+                           help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
             p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--vllm: seconds between scrapes")
         else:
             p.add_argument("--device", default="auto")

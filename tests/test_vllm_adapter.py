@@ -15,7 +15,7 @@ from kvscope.adapters.vllm_wire import WireError, decode_batch
 from tests.fakes.vllm import FakeKvPublisher, FakeMetricsServer
 
 
-def wait_for(cond, timeout: float = 5.0) -> bool:
+def wait_for(cond, timeout: float = 20.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():
@@ -226,3 +226,56 @@ async def test_vllm_screen_shows_queues_kv_and_cached_blocks(metrics_server):
     finally:
         source.close()
         pub.close()
+
+
+# ---- kvscope speaks it too ------------------------------------------------------------------
+def _free_addr() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding):
+    """At every checked step the adapter's cached-block count equals kvscope's registered prefix blocks."""
+    import random
+
+    from kvscope.adapters.vllm_publisher import VllmKvPublisher
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(backend="sim", model="qwen3-0.6b", gpu="h200", prefix_caching=True,
+                                    num_blocks=48, max_num_seqs=8, max_num_batched_tokens=128, seed=0))
+    pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=engine.config.block_size, encoding=encoding)
+    engine.block_manager.cache_events = pub
+    engine.attach(pub)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(10, 1000) for _ in range(64)] for _ in range(3)]
+    for i in range(30):
+        prompt = prefixes[i % 3] + [rng.randrange(10, 1000) for _ in range(rng.randrange(8, 60))]
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(4, 24), ignore_eos=True))
+    # Half the run happens before the adapter starts: it must recover those batches by replay.
+    for _ in range(25):
+        engine.step()
+    source = VllmSource(kv_events=pub.address, kv_replay=pub.replay_address).start()
+    checked = 0
+    try:
+        assert wait_for(lambda: source.state.kv.last_seq == pub.last_seq)
+        time.sleep(0.3)  # the SUB connection settles before live batches are checked
+        while engine.has_unfinished():
+            engine.step()
+            if engine.scheduler.step_count % 5 == 0:
+                assert wait_for(lambda: source.state.kv.last_seq == pub.last_seq)
+                with source.lock:
+                    assert source.state.cache.cached_blocks == engine.block_manager.num_prefix_keys
+                checked += 1
+        assert engine.block_manager.evictions > 0, "the pool is small enough that the cache turns over"
+        assert source.state.kv.malformed == 0 and source.state.kv.missed == 0
+        assert checked >= 3
+    finally:
+        source.close()
+        pub.close()
+        engine.close()

@@ -55,6 +55,24 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+class NullCacheEvents:
+    """Where the block manager reports prefix-cache changes by key when nobody listens.
+
+    A listener (kvscope.adapters.vllm_publisher, for vLLM's KV-event format) gets
+    ``stored(key, parent_key, token_ids)`` when a full block is registered under its
+    prefix key and ``removed(key)`` when the key leaves the cache.
+    """
+
+    def stored(self, key: int, parent: int | None, token_ids: tuple[int, ...]) -> None:
+        pass
+
+    def removed(self, key: int) -> None:
+        pass
+
+
+NO_CACHE_EVENTS = NullCacheEvents()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  sliding_window: int | None = None) -> None:
@@ -90,6 +108,7 @@ class BlockManager:
         self.query_tokens = 0
         self.cow_copies = 0
         self.evictions = 0
+        self.cache_events = NO_CACHE_EVENTS  # prefix-cache changes by key, for watchers outside the engine
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -100,6 +119,11 @@ class BlockManager:
     @property
     def num_cached(self) -> int:
         return len(self._evictable)
+
+    @property
+    def num_prefix_keys(self) -> int:
+        """Blocks registered under a prefix key (cached or in use): what vLLM's KV events count."""
+        return len(self._by_hash)
 
     @property
     def cached_blocks(self) -> list[int]:
@@ -200,8 +224,10 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             self._touch(block)
-            del self._by_hash[self.block_hash[block]]
+            key = self.block_hash[block]
+            del self._by_hash[key]
             self.block_hash[block] = None
+            self.cache_events.removed(key)
             self.evictions += 1
             self._log.free(block)  # it leaves the cache
         self.ref_counts[block] = 1
@@ -302,7 +328,9 @@ class BlockManager:
             dropped = self._dropped.get(req_id, 0)
             chain = self._chains.setdefault(req_id, [])
             for i in range(len(chain), min(num_tokens, len(token_ids)) // bs):
-                key = block_hash(chain[-1] if chain else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                parent = chain[-1] if chain else None
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                key = block_hash(parent, tokens)
                 chain.append(key)
                 if i < dropped:
                     continue  # released before it was registered (a swapped-in request's prefix)
@@ -310,6 +338,7 @@ class BlockManager:
                 if key not in self._by_hash and self.block_hash[block] is None:
                     self._by_hash[key] = block
                     self.block_hash[block] = key
+                    self.cache_events.stored(key, parent, tokens)
         self._slide(req_id, num_tokens)
 
     def _slide(self, req_id: int, num_computed: int) -> None:

@@ -1,7 +1,8 @@
 """`kvscope tui --vllm URL [--kv-events ADDR] [--kv-replay ADDR]`: a running vLLM's scheduler, from outside.
 
-The VllmSource threads fill a VllmState under a lock; a 4 Hz timer copies what the
-panels need and repaints them only when the state moved.
+The VllmSource threads fill a VllmState under a lock; the screen's 4 Hz timer copies
+what the panels need and repaints them only when the state moved. The same screen is
+what the multi-engine overview opens for a vLLM row.
 """
 
 from __future__ import annotations
@@ -15,16 +16,48 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvscope.adapters.vllm_source import VllmSource
-from kvscope.tui.palette import get_palette
+from kvscope.adapters.vllm_source import VllmSource, VllmState
+from kvscope.tui.palette import DEFAULT, get_palette
 from kvscope.tui.widgets import StateWidget
 from kvscope.tui.widgets.vllm_panels import VllmCache, VllmHeader, VllmLatency, VllmQueues
 
 TICK_S = 0.25
 TOP_EVERY_S = 1.0
 
+VLLM_CSS = """
+VllmHeader { height: 1; background: $panel; }
+#vllm-body { height: 1fr; }
+#vllm-left { width: 1fr; border-right: vkey $panel-lighten-2; }
+VllmQueues { height: 6; }
+VllmLatency { height: 1fr; }
+VllmCache { width: 1fr; }
+"""
+
+
+def view_of(source: VllmSource) -> VllmState:
+    """A copy of what the panels read, taken under the source's lock (the threads keep writing)."""
+    st = source.state
+    view = copy.copy(st)
+    view.metrics = copy.copy(st.metrics)
+    view.metrics.scrapes = type(st.metrics.scrapes)(st.metrics.scrapes, maxlen=st.metrics.scrapes.maxlen)
+    view.kv = copy.copy(st.kv)
+    view.cache = copy.copy(st.cache)
+    view.cache.per_medium = copy.copy(st.cache.per_medium)
+    view.cache._recent = copy.copy(st.cache._recent)
+    return view
+
 
 class VllmScreen(Screen):
+    DEFAULT_CSS = VLLM_CSS
+    BINDINGS = [Binding("escape", "back", "Back", show=False)]
+
+    def __init__(self, source: VllmSource, *, auto_tick: bool = True) -> None:
+        super().__init__()
+        self.source = source
+        self.auto_tick = auto_tick
+        self._drawn = -1
+        self._top_at = 0.0
+
     def compose(self) -> ComposeResult:
         yield VllmHeader(id="vllm-header")
         with Horizontal(id="vllm-body"):
@@ -34,16 +67,38 @@ class VllmScreen(Screen):
             yield VllmCache(id="vllm-cache")
         yield Footer(compact=True)
 
+    def on_mount(self) -> None:
+        self.pump()
+        if self.auto_tick:
+            self.set_interval(TICK_S, self.pump, name="kvscope-vllm")
+
+    def action_back(self) -> None:
+        if len(self.app.screen_stack) > 1:
+            self.app.pop_screen()
+
+    def pump(self) -> None:
+        widgets = list(self.query(StateWidget))
+        if not widgets:
+            return  # not composed yet: the next tick draws
+        with self.source.lock:
+            st = self.source.state
+            if st.version == self._drawn:
+                return
+            self._drawn = st.version
+            view = view_of(self.source)
+            now = time.monotonic()
+            top = None
+            if now - self._top_at >= TOP_EVERY_S:
+                self._top_at = now
+                top = st.cache.top_prefixes()
+        pal = getattr(self.app, "pal", DEFAULT)
+        for w in widgets:
+            if top is not None and isinstance(w, VllmCache):
+                w.top = top
+            w.show(view, pal, None)
+
 
 class VllmApp(App):
-    CSS = """
-    VllmHeader { height: 1; background: $panel; }
-    #vllm-body { height: 1fr; }
-    #vllm-left { width: 1fr; border-right: vkey $panel-lighten-2; }
-    VllmQueues { height: 6; }
-    VllmLatency { height: 1fr; }
-    VllmCache { width: 1fr; }
-    """
     TITLE = "kvscope · vLLM"
     BINDINGS = [Binding("q", "quit", "Quit")]
 
@@ -52,39 +107,12 @@ class VllmApp(App):
         self.source = source
         self.pal = get_palette(palette)
         self.auto_tick = auto_tick
-        self._drawn = -1
-        self._top_at = 0.0
 
     def get_default_screen(self) -> Screen:
-        return VllmScreen()
-
-    def on_mount(self) -> None:
-        self.pump()
-        if self.auto_tick:
-            self.set_interval(TICK_S, self.pump, name="kvscope-vllm")
+        return VllmScreen(self.source, auto_tick=self.auto_tick)
 
     def pump(self) -> None:
-        with self.source.lock:
-            st = self.source.state
-            if st.version == self._drawn:
-                return
-            self._drawn = st.version
-            view = copy.copy(st)
-            view.metrics = copy.copy(st.metrics)
-            view.metrics.scrapes = type(st.metrics.scrapes)(st.metrics.scrapes, maxlen=st.metrics.scrapes.maxlen)
-            view.kv = copy.copy(st.kv)
-            view.cache = copy.copy(st.cache)
-            view.cache.per_medium = copy.copy(st.cache.per_medium)
-            view.cache._recent = copy.copy(st.cache._recent)
-            now = time.monotonic()
-            top = None
-            if now - self._top_at >= TOP_EVERY_S:
-                self._top_at = now
-                top = st.cache.top_prefixes()
-        for w in self.screen.query(StateWidget):
-            if top is not None and isinstance(w, VllmCache):
-                w.top = top
-            w.show(view, self.pal, None)
+        self.screen.pump()
 
 
 def run_vllm(url: str | None, kv_events: str | None, kv_replay: str | None, *, interval: float = 1.0,

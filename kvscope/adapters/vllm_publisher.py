@@ -1,0 +1,176 @@
+"""kvscope's own prefix cache, published as vLLM KV events (`kvscope serve --kv-events-vllm ADDR`).
+
+The block hash is kvscope's prefix key. The block manager reports each key as it is
+registered (BlockStored, with its parent key and the block's token ids) and as it is
+evicted (BlockRemoved); this publisher batches them per scheduler step, as vLLM does,
+and sends each batch as ``topic | seq | payload`` on a PUB socket. With a replay
+address a ROUTER answers ``b"" | start seq`` with every buffered batch from there on,
+then seq -1, exactly as vLLM's ZmqEventPublisher. Tools written for vLLM's events (a
+KV-aware router, kvscope's own vLLM view) can consume it.
+
+It is an event sink too: the engine's step event is what closes a batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import msgspec
+
+from kvscope.adapters.vllm_wire import END_SEQ, SEQ_BYTES, encode_seq
+from kvscope.protocol.events import StepEvent
+
+ENCODINGS = ("map", "array")
+BUFFER_BATCHES = 10_000
+MEDIUM = "GPU"
+
+
+class _Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _Batch(msgspec.Struct):
+    ts: float
+    events: list[_Stored | _Removed]
+    data_parallel_rank: int | None = None
+
+
+class _StoredA(_Stored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _RemovedA(_Removed, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _BatchA(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredA | _RemovedA]
+    data_parallel_rank: int | None = None
+
+
+class VllmKvPublisher:
+    """Block-manager cache listener + event sink; binds PUB (and ROUTER) on loopback unless allowed."""
+
+    def __init__(self, addr: str, replay_addr: str | None = None, *, block_size: int, encoding: str = "map",
+                 allow_remote: bool = False, topic: str = "", data_parallel_rank: int = 0) -> None:
+        import zmq
+
+        from kvscope.protocol.transport import check_bind_address
+
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}")
+        check_bind_address(addr, allow_remote)
+        if replay_addr:
+            check_bind_address(replay_addr, allow_remote)
+            if replay_addr == addr:
+                raise ValueError(f"the KV-event and replay addresses are the same ({addr})")
+        self.block_size = block_size
+        self.array = encoding == "array"
+        self.rank = data_parallel_rank
+        self.topic = topic.encode()
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(addr)
+        self.address = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_address: str | None = None
+        self._router = None
+        if replay_addr:
+            self._router = ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, 64)
+            try:
+                self._router.bind(replay_addr)
+            except zmq.ZMQError:
+                self._pub.close()
+                self._router.close()
+                raise
+            self.replay_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pending: list = []
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=BUFFER_BATCHES)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if self._router is not None:
+            self._thread = threading.Thread(target=self._serve_replay, name="kvscope-vllm-replay", daemon=True)
+            self._thread.start()
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last batch sent (-1 before the first)."""
+        return self._seq - 1
+
+    # -- the block manager's listener -----------------------------------------------
+    def stored(self, key: int, parent: int | None, token_ids: tuple[int, ...]) -> None:
+        cls = _StoredA if self.array else _Stored
+        self._pending.append(cls([key], parent, list(token_ids), self.block_size, None, MEDIUM, None))
+
+    def removed(self, key: int) -> None:
+        self._pending.append((_RemovedA if self.array else _Removed)([key], MEDIUM))
+
+    # -- the event sink ---------------------------------------------------------------
+    def publish(self, event) -> None:
+        if type(event) is StepEvent:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        batch = (_BatchA if self.array else _Batch)(time.time(), events, self.rank)
+        payload = msgspec.msgpack.encode(batch)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        import zmq
+
+        try:
+            self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a slow subscriber: it finds the gap by seq and replays it
+        self.batches += 1
+
+    def _serve_replay(self) -> None:
+        router = self._router
+        while not self._stop.is_set():
+            if not router.poll(100):
+                continue
+            try:
+                frames = router.recv_multipart()
+            except Exception:
+                continue
+            if len(frames) != 3 or len(frames[2]) != SEQ_BYTES:
+                continue  # not a replay request: vLLM ignores these too
+            client, _, start = frames
+            first = int.from_bytes(start, "big", signed=True)
+            with self._lock:
+                todo = [(s, p) for s, p in self._buffer if s >= first]
+            for seq, payload in todo:
+                router.send_multipart([client, b"", encode_seq(seq), payload])
+            router.send_multipart([client, b"", encode_seq(END_SEQ), b""])
+
+    def close(self) -> None:
+        self.flush()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._pub.close()
+        if self._router is not None:
+            self._router.close()
