@@ -247,10 +247,3 @@ def test_race_no_tui_json_is_bench_shaped(tmp_path, capsys):
     assert all(os.path.exists(p) for p in result["traces"])
     assert "chunked" in capsys.readouterr().out
     assert main(argv[:-4] + ["--json", str(tmp_path / "missing" / "x.json")]) == 2
-
-
-def test_web_refuses_remote_without_flag(capsys):
-    from kvscope.cli import main
-
-    assert main(["web", "--host", "0.0.0.0", "replay", "x.kvtrace"]) == 2
-    assert "loopback" in capsys.readouterr().err

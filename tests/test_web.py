@@ -1,0 +1,119 @@
+"""`kvscope web`: the TUI served to a browser by textual-serve, checked in headless Chromium.
+
+Chromium (Debian's `chromium` package) loads the page; over the DevTools protocol the
+test waits until the app's first bytes reached the page's terminal (textual-serve then
+hides its intro dialog) and takes a screenshot. Skipped where Chromium is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvscope.cli import main
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+TRACE = os.path.join(os.path.dirname(__file__), "..", "traces", "demo-cpu.kvtrace")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_web_refuses_a_remote_host_without_the_flag(capsys):
+    assert main(["web", "--host", "0.0.0.0", "replay", TRACE]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "loopback" in err[0]
+    assert main(["web", "--port", "70000", "replay", TRACE]) == 2
+
+
+def _wait_http(port: int, timeout: float) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("kvscope web did not answer")
+
+
+async def _browse(url: str, debug_port: int, wait_s: float, shot: str) -> bool:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            try:
+                async with http.get(f"http://127.0.0.1:{debug_port}/json/version") as r:
+                    await r.json()
+                break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+        async with http.put(f"http://127.0.0.1:{debug_port}/json/new?{url}") as r:
+            target = json.loads(await r.text())
+        async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=64 << 20) as ws:
+            ids = iter(range(1, 10_000))
+
+            async def call(method: str, **params):
+                mid = next(ids)
+                await ws.send_json({"id": mid, "method": method, "params": params})
+                while True:
+                    msg = await ws.receive_json()
+                    if msg.get("id") == mid:
+                        return msg.get("result", {})
+
+            started = False
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end:
+                res = await call("Runtime.evaluate", expression="document.body.classList.contains('-first-byte')",
+                                 returnByValue=True)
+                if res.get("result", {}).get("value") is True:
+                    started = True
+                    break
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3.0)  # let the dashboard draw a few frames
+            png = await call("Page.captureScreenshot", format="png")
+            with open(shot, "wb") as f:
+                f.write(base64.b64decode(png["data"]))
+            return started
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)")
+def test_replay_in_a_browser(tmp_path):
+    port, debug = _port(), _port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    web = subprocess.Popen([sys.executable, "-m", "kvscope", "web", "--port", str(port), "replay", TRACE],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    browser = None
+    try:
+        _wait_http(port, 30.0)
+        browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                                    f"--remote-debugging-port={debug}", "--window-size=1280,800",
+                                    f"--user-data-dir={tmp_path / 'profile'}", "about:blank"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shot = tmp_path / "web.png"
+        started = asyncio.run(_browse(f"http://127.0.0.1:{port}/", debug, 60.0, str(shot)))
+        assert started, "the app's output never reached the browser's terminal"
+        assert shot.stat().st_size > 20_000  # a drawn dashboard, not the near-empty intro page
+    finally:
+        for p in (browser, web):
+            if p is not None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
