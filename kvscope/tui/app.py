@@ -25,6 +25,7 @@ from kvscope.tui.screens import (
     RequestDetailScreen,
     SeekScreen,
 )
+from kvscope.tui.screens.seek import seek_to
 from kvscope.tui.sources import LiveSource, ReplayController
 from kvscope.tui.state import (
     CONN_LIVE,
@@ -204,14 +205,8 @@ class KvscopeApp(App):
             return
 
         def done(target) -> None:
-            if not target or self.replay is None:
-                return
-            what, value = target
-            if what == "time":
-                self.replay.seek_time(value)
-            else:
-                self.replay.seek(int(value))
-            self.pump()
+            if seek_to(self.replay, target):
+                self.pump()
 
         self.push_screen(SeekScreen(kind), done)
 

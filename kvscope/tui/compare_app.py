@@ -18,6 +18,7 @@ from kvscope.tui.palette import CB, DEFAULT, get_palette
 from kvscope.tui.runs import MAX_RUNS, Run, load_run
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
 from kvscope.tui.screens.compare import CompareScreen, RunDashboard
+from kvscope.tui.screens.seek import seek_to
 from kvscope.tui.sources import CONN_REPLAY
 from kvscope.tui.state import new_state, reduce
 from kvscope.tui.sync import ALIGN_TIME, SyncedReplay, make_track
@@ -140,14 +141,8 @@ class CompareApp(App):
 
     def action_seek_prompt(self, kind: str) -> None:
         def done(target) -> None:
-            if not target:
-                return
-            what, value = target
-            if what == "time":
-                self.sync.seek_time(value)
-            else:
-                self.sync.seek(int(value))
-            self.pump()
+            if seek_to(self.sync, target):
+                self.pump()
 
         self.push_screen(SeekScreen(kind), done)
 

@@ -15,23 +15,12 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from kvscope.tui.runs import Run, differing_knobs, workload_notice
-from kvscope.tui.screens.dashboard import ReplayDashboard
+from kvscope.tui.screens.dashboard import REPLAY_KEYS, ReplayDashboard
 from kvscope.tui.widgets import ReplayBar, StateWidget
 from kvscope.tui.widgets.run_column import RunColumn
 from kvscope.tui.widgets.summary_strip import SummaryStrip
 
 MIN_COLUMN_WIDTH = 38
-
-REPLAY_KEYS = [
-    Binding("space", "app.replay('toggle')", "Play"),
-    Binding("right", "app.replay('step_forward')", "Step"),
-    Binding("left", "app.replay('step_back')", "Back", show=False),
-    Binding("g", "app.seek_prompt('step')", "Seek"),
-    Binding("t", "app.seek_prompt('time')", "Time", show=False),
-    Binding("plus,equals_sign", "app.replay('faster')", "Speed±"),
-    Binding("minus", "app.replay('slower')", "Slow", show=False),
-]
-
 
 def columns_that_fit(width: int, runs: int) -> int:
     return max(1, min(runs, width // MIN_COLUMN_WIDTH))

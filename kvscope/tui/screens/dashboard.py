@@ -56,17 +56,20 @@ class LiveDashboard(DashboardScreen):
     ]
 
 
+# The replay keys, shared by the replay dashboard and the compare screen.
+REPLAY_KEYS = [
+    Binding("space", "app.replay('toggle')", "Play"),
+    Binding("right", "app.replay('step_forward')", "Step"),
+    Binding("left", "app.replay('step_back')", "Back", show=False),
+    Binding("g", "app.seek_prompt('step')", "Seek"),
+    Binding("t", "app.seek_prompt('time')", "Time", show=False),
+    Binding("plus,equals_sign", "app.replay('faster')", "Speed±"),
+    Binding("minus", "app.replay('slower')", "Slow", show=False),
+]
+
+
 class ReplayDashboard(DashboardScreen):
-    BINDINGS = [
-        Binding("space", "app.replay('toggle')", "Play"),
-        Binding("right", "app.replay('step_forward')", "Step"),
-        Binding("left", "app.replay('step_back')", "Back", show=False),
-        Binding("g", "app.seek_prompt('step')", "Seek"),
-        Binding("t", "app.seek_prompt('time')", "Time", show=False),
-        Binding("p", "app.replay('next_preemption')", "Preempt"),
-        Binding("plus,equals_sign", "app.replay('faster')", "Speed±"),
-        Binding("minus", "app.replay('slower')", "Slow", show=False),
-    ]
+    BINDINGS = REPLAY_KEYS + [Binding("p", "app.replay('next_preemption')", "Preempt")]
 
     def compose_extra(self) -> ComposeResult:
         yield ReplayBar(id="replaybar")

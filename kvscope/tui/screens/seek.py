@@ -31,6 +31,18 @@ def parse_target(text: str, kind: str = "step") -> tuple[str, float] | None:
     return ("time", v * scale)
 
 
+def seek_to(replay, target: tuple[str, float] | None) -> bool:
+    """Apply a SeekScreen answer to anything with ``seek(step)`` and ``seek_time(t)``; False if none."""
+    if not target or replay is None:
+        return False
+    what, value = target
+    if what == "time":
+        replay.seek_time(value)
+    else:
+        replay.seek(int(value))
+    return True
+
+
 class SeekScreen(ModalScreen[tuple[str, float] | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
