@@ -69,7 +69,8 @@ REPLAY_KEYS = [
 
 
 class ReplayDashboard(DashboardScreen):
-    BINDINGS = REPLAY_KEYS + [Binding("p", "app.replay('next_preemption')", "Preempt")]
+    # "p" sits before the speed keys, where the footer has always shown it
+    BINDINGS = REPLAY_KEYS[:5] + [Binding("p", "app.replay('next_preemption')", "Preempt")] + REPLAY_KEYS[5:]
 
     def compose_extra(self) -> ComposeResult:
         yield ReplayBar(id="replaybar")
