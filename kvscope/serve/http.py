@@ -63,11 +63,15 @@ class HttpFrontEnd:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
+                                                                 Exception: self._server_error})
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(oa.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
+
+    async def _server_error(self, request: Request, exc: Exception) -> JSONResponse:
+        return _error(oa.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
     # ---- plain endpoints --------------------------------------------------------------
     def _model_card(self) -> dict:
@@ -96,7 +100,10 @@ class HttpFrontEnd:
 
     # ---- generation ---------------------------------------------------------------------
     async def _body(self, request: Request, kind: type):
-        if int(request.headers.get("content-length") or 0) > oa.MAX_BODY_BYTES:
+        declared = request.headers.get("content-length") or "0"
+        if not declared.isdigit():
+            raise oa.ApiError(400, f"bad Content-Length {declared[:32]!r}")
+        if int(declared) > oa.MAX_BODY_BYTES:
             raise oa.ApiError(413, f"request body over {oa.MAX_BODY_BYTES} bytes")
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -149,7 +156,14 @@ class HttpFrontEnd:
     async def _run(self, request: Request, req, job: Job, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
-        job.deliver = lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)
+
+        def deliver(update: Update) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:
+                pass  # the server's event loop is gone (shutting down): nobody is listening
+
+        job.deliver = deliver
         self.bridge.submit(job)
         try:
             first = await updates.get()

@@ -17,7 +17,7 @@ import heapq
 import json
 
 from kvscope.protocol.events import RejectEvent, StepEvent
-from kvscope.serve.export.lifecycle import Life
+from kvscope.serve.export.lifecycle import Life, Slice
 from kvscope.serve.metrics import step_kind
 
 PID_SCHED, PID_REQS = 1, 2
@@ -113,8 +113,8 @@ class PerfettoWriter:
     # ---- requests ----------------------------------------------------------------------------
     def request(self, life: Life) -> None:
         """Write a finished request's slices on one lane (called once per request, when it ends)."""
-        if not life.slices:
-            return
+        if not life.slices:  # ended the moment it arrived (e.g. aborted while queued): still one slice
+            life.slices.append(Slice("queued", life.arrival, max(life.arrival, life.finish_t or life.arrival)))
         start = us(min(life.arrival, life.slices[0].start))
         lane = self.lanes.take(start)
         if lane not in self._named:
