@@ -172,10 +172,10 @@ def _synthetic_trace(path, n_steps: int) -> None:
         t = step * 0.01
         batch, first, finished = [], [], []
         if step % 4 == 1:
-            writer.publish(E.RequestEvent(next_req, 32, 20 + next_req % 17, 0, t - 0.002))
+            writer.publish(E.RequestEvent(next_req, 32, 2 + next_req % 7, 0, t - 0.002))
             batch.append(E.BatchEntry(next_req, E.PREFILL, 32, 0))
             first.append(E.FirstToken(next_req, 0.012))
-            left[next_req] = 20 + next_req % 17
+            left[next_req] = 2 + next_req % 7
             next_req += 1
         for req in list(left):
             if batch and batch[0].req == req:
@@ -183,7 +183,7 @@ def _synthetic_trace(path, n_steps: int) -> None:
             batch.append(E.BatchEntry(req, E.DECODE, 1, 0))
             left[req] -= 1
             if left[req] == 0:
-                finished.append(E.Finish(req, 0.012, 0.3, 20, E.FINISH_LENGTH))
+                finished.append(E.Finish(req, 0.012, 0.1, 3, E.FINISH_LENGTH))
                 del left[req]
         state["t"] = t
         writer.publish(E.StepEvent(step, t, 0.009, 512, batch=batch, running=list(left), sampled=[b.req for b in batch],
