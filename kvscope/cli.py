@@ -230,6 +230,12 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
+    if args.fit and args.anchors is None:
+        raise UsageError("--fit goes with --anchors")
+    if args.anchors is not None:  # always on the sim: the published runs' table (docs/SIM.md)
+        from kvscope.bench.anchors import cmd_bench_anchors
+
+        return cmd_bench_anchors(args, _write_json)
     if args.backend == "sim" or args.preset:
         from kvscope.bench.sim import cmd_bench_sim
 
@@ -375,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="hf-static,hf-generate-batch", help="comma list; empty for none")
     p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
     p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation (bench/presets/)")
+    p.add_argument("--anchors", nargs="?", const=True, default=None, metavar="FILE",
+                   help="sim vs published runs of real engines (default bench/anchors.json)")
+    p.add_argument("--fit", action="store_true", help="with --anchors: refit the sim's default efficiencies")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.set_defaults(func=cmd_bench)
 

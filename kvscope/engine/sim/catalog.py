@@ -113,6 +113,27 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         source=_NV.format("A100 Tensor Core GPU (SXM4 80GB)") + ": 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
         "dense (624 sparse), no FP8, NVLink 600 GB/s bidirectional, PCIe Gen4. "
         "https://www.nvidia.com/en-us/data-center/a100/", host_bw=32 * GB),
+    GPU("a100-pcie-80gb", 80 * GiB, 1.935 * TB, {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}, 300 * GB,
+        source=_NV.format("A100 Tensor Core GPU (PCIe 80GB)") + ": 80 GB HBM2e, 1,935 GB/s, BF16 312 TFLOPS "
+        "dense (624 sparse), no FP8, NVLink bridge for 2 GPUs 600 GB/s bidirectional, PCIe Gen4 64 GB/s. "
+        "https://www.nvidia.com/en-us/data-center/a100/", host_bw=32 * GB),
+    GPU("a800-80gb", 80 * GiB, 2.039 * TB, {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}, 200 * GB,
+        source=_NV.format("A800 Tensor Core GPU (SXM4 80GB)") + ": 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
+        "dense (624 sparse), no FP8; the A100's chip with NVLink cut to 400 GB/s bidirectional, PCIe Gen4. "
+        "https://www.nvidia.cn/data-center/a800/", host_bw=32 * GB,
+        note="the GPU of the nano-vllm-triton / vLLM 0.10.2 anchors (bench/anchors.json)"),
+    GPU("rtx-4070-laptop", 8 * GiB, 256 * GB, {"bf16": 40.1 * TFLOPS, "fp16": 40.1 * TFLOPS, "fp8": 80.2 * TFLOPS},
+        0.0,
+        source="NVIDIA GeForce RTX 4070 Laptop GPU specifications: 8 GB GDDR6 on a 128-bit bus at 16 Gbps "
+        "(256 GB/s), 4,608 CUDA cores, 321 AI TOPS (FP8, sparse). Dense BF16 with FP32 accumulate is 1/8 of "
+        "that (halved for sparsity, halved for FP8, halved again because GeForce Ada runs FP32-accumulate "
+        "tensor math at half rate, Ada whitepaper); no NVLink, PCIe Gen4 x8 16 GB/s each way. Laptop clocks "
+        "depend on the maker's power limit. https://www.nvidia.com/en-us/geforce/laptops/40-series/",
+        host_bw=16 * GB, note="the GPU of nano-vllm's README benchmark"),
+    GPU("l40s", 48 * GB, 864 * GB, {"bf16": 362.05 * TFLOPS, "fp16": 362.05 * TFLOPS, "fp8": 733 * TFLOPS}, 32 * GB,
+        source=_NV.format("L40S GPU") + ": 48 GB GDDR6 with ECC, 864 GB/s, BF16 362.05 / FP8 733 TFLOPS dense "
+        "(733 / 1,466 with sparsity); no NVLink, PCIe Gen4 x16 64 GB/s bidirectional. "
+        "https://www.nvidia.com/en-us/data-center/l40s/", host_bw=32 * GB),
     GPU("l4", 24 * GB, 300 * GB, {"bf16": 121 * TFLOPS, "fp16": 121 * TFLOPS, "fp8": 242.5 * TFLOPS}, 32 * GB,
         source=_NV.format("L4 Tensor Core GPU") + ": 24 GB GDDR6, 300 GB/s, BF16 242 / FP8 485 TFLOPS with "
         "sparsity (halved here); no NVLink, PCIe Gen4 x16 64 GB/s bidirectional. "
@@ -159,6 +180,30 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                source="Qwen/Qwen3-0.6B model card and config.json (28 layers, hidden 1024, 16 Q / 8 KV heads, "
                "head_dim 128, intermediate 3072, vocab 151936, tied embeddings, 0.6B params, 0.44B "
                "non-embedding). https://huggingface.co/Qwen/Qwen3-0.6B"),
+    ModelShape("qwen2.5-0.5b", num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_dim=64,
+               intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+               tie_word_embeddings=True, weight_dtype="bf16", params=0.49e9,
+               source="Qwen/Qwen2.5-0.5B model card and config.json (24 layers, hidden 896, 14 Q / 2 KV heads, "
+               "head_dim 64, intermediate 4864, vocab 151936, tied embeddings, 0.49B params, 0.36B "
+               "non-embedding; QKV biases ignored). https://huggingface.co/Qwen/Qwen2.5-0.5B"),
+    ModelShape("llama-3.2-1b", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+               intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+               tie_word_embeddings=True, weight_dtype="bf16", params=1.23e9,
+               source="meta-llama/Llama-3.2-1B model card and config.json (16 layers, hidden 2048, 32 Q / 8 KV "
+               "heads, head_dim 64, intermediate 8192, vocab 128256, tied embeddings, 1.23B params). "
+               "https://huggingface.co/meta-llama/Llama-3.2-1B"),
+    ModelShape("qwen3-1.7b", num_layers=28, hidden_size=2048, num_heads=16, num_kv_heads=8, head_dim=128,
+               intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+               tie_word_embeddings=True, weight_dtype="bf16", params=1.7e9,
+               source="Qwen/Qwen3-1.7B model card and config.json (28 layers, hidden 2048, 16 Q / 8 KV heads, "
+               "head_dim 128, intermediate 6144, vocab 151936, tied embeddings, 1.7B params, 1.4B "
+               "non-embedding). https://huggingface.co/Qwen/Qwen3-1.7B"),
+    ModelShape("qwen3-4b", num_layers=36, hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128,
+               intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960,
+               tie_word_embeddings=True, weight_dtype="bf16", params=4.0e9,
+               source="Qwen/Qwen3-4B model card and config.json (36 layers, hidden 2560, 32 Q / 8 KV heads, "
+               "head_dim 128, intermediate 9728, vocab 151936, tied embeddings, 4.0B params, 3.6B "
+               "non-embedding). https://huggingface.co/Qwen/Qwen3-4B"),
     ModelShape("qwen3-8b", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
                tie_word_embeddings=False, weight_dtype="bf16", params=8.2e9,
@@ -181,7 +226,8 @@ _add_builtins()
 
 # Names the engine's --model accepts for the same shapes (the real checkpoints' directory names).
 ALIASES = {"meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
-           "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "qwen3-8b"}
+           "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
+           "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b"}
 DEVICE_ALIASES = {"cuda": "h100-sxm5", "auto": "h100-sxm5"}
 
 
@@ -207,7 +253,13 @@ def gpu_from_device_name(name: str | None) -> str | None:
     if "H100" in n and "PCIE" not in n:
         return "h100-sxm5"
     if "A100" in n and "80GB" in n.replace(" ", ""):
-        return "a100-80gb"
+        return "a100-pcie-80gb" if "PCIE" in n else "a100-80gb"
+    if "A800" in n and "80GB" in n.replace(" ", ""):
+        return "a800-80gb"
+    if "L40S" in n:
+        return "l40s"
+    if "4070" in n and "LAPTOP" in n:
+        return "rtx-4070-laptop"
     if n.endswith(" L4") or n == "L4":
         return "l4"
     return None

@@ -23,6 +23,7 @@ class SimRunner:
         self.eos_token_id = eos_token_id
         self.steps = 0
         self.busy_s = 0.0  # virtual time spent computing
+        self.terms_log: list | None = None  # set to a list to keep every step's StepTerms (anchor fitting)
 
     @staticmethod
     def shape(out: SchedulerOutput) -> StepShape:
@@ -40,7 +41,10 @@ class SimRunner:
     def run(self, out: SchedulerOutput, params: dict[int, SamplingParams]) -> dict[int, int]:
         if out.is_empty:
             return {}
-        dt = self.cost.step_time(self.shape(out))
+        shape = self.shape(out)
+        dt = self.cost.step_time(shape)
+        if self.terms_log is not None and shape.tokens:
+            self.terms_log.append(self.cost.terms(shape))
         self.steps += 1
         self.busy_s += dt
         self.clock.advance(dt)
