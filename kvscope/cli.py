@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _restore_signals(original_handlers)
     print(summary_table(summary))
     if args.json:
-        _write_json(args.json, {"config": engine.hello().config, "summary": summary.to_dict()})
+        _write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": summary.to_dict()})
     return 0
 
 

@@ -138,7 +138,7 @@ def test_sim_tokens_never_eos_and_hello_says_sim():
         finished += engine.step()
     assert finished[0].req_id == req and finished[0].finish_reason == "length"
     assert all(t not in engine.loaded.eos_token_ids for t in finished[0].token_ids)
-    hello = engine.hello().config
+    hello = engine.hello().config.as_dict()
     assert hello["backend"] == "sim" and hello["gpu"] == "l4" and hello["sim_model"] == "qwen3-0.6b"
     assert hello["device"] == "sim:l4"
 
@@ -184,14 +184,14 @@ def test_sim_events_replay_through_traces_and_reducer(tmp_path):
     engine.close()
     writer.close()
     reader = TraceReader(path)
-    assert reader.hello.config["backend"] == "sim"
+    assert reader.hello.config.backend == "sim"
     events = list(reader)
     steps = [e for e in events if isinstance(e, StepEvent)]
     assert len(steps) == engine.scheduler.step_count
     assert sum(len(s.sampled) for s in steps) == summary.output_tokens
     assert sum(len(s.preemptions) for s in steps) == engine.num_preemptions > 0
     state = reduce_all(new_state(), [reader.hello] + events)
-    assert state.config["backend"] == "sim"
+    assert state.config.backend == "sim"
     assert state.finished_count == 24 and state.ended == "drained"
 
 

@@ -58,7 +58,7 @@ async def test_replay_keys(events):
     app, rc, clock = replay_app(events)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
-        assert app.state.config["backend"] == "sim" and app.state.step == 0
+        assert app.state.config.backend == "sim" and app.state.step == 0
         await pilot.press("right", "right", "right")
         assert rc.cur_step == app.state.step == 3
         await pilot.press("left")
@@ -261,7 +261,7 @@ async def test_live_mode_survives_late_start_drops_and_restart():
             fake.run(20)
             assert await wait_until(app, pilot, lambda: app.state.step > 0 and not app.state.stale)
             assert "snapshot" in fake.calls  # asked for one on first contact / while stale
-            assert app.state.conn == CONN_LIVE and app.state.config["backend"] == "sim"
+            assert app.state.conn == CONN_LIVE and app.state.config.backend == "sim"
             # control keys
             await pilot.press("b", "l", "space")
             assert await wait_until(app, pilot, lambda: app.engine_paused)

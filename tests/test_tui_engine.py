@@ -81,7 +81,7 @@ def test_live_engine_then_replay_equals_live(tmp_path):
                         await asyncio.sleep(0.05)
                     resumed = not app.engine_paused
             assert app.state.ended, "the engine did not finish in time"
-            assert app.state.config.get("model") == "tiny" and not app.state.stale
+            assert app.state.config.model == "tiny" and not app.state.stale
             assert app.state.conn == "live"
 
     try:
@@ -147,7 +147,7 @@ def test_late_join_engine_exit_and_restart(tmp_path):
             stop_engine(proc, ctl_addr)
             assert await wait(lambda: st().conn == "disconnected", 10)
             kept = st().step
-            assert st().step == kept and st().config and st().requests is not None  # last picture kept
+            assert st().step == kept and st().config is not None and st().requests is not None  # last picture kept
             proc2, _ = start_engine(cmd, str(tmp_path / "engine2.log"))
             procs.append(proc2)
             assert await wait(lambda: st().conn == "live" and st().wall_start not in (None, first_run)

@@ -63,7 +63,7 @@ def test_hello_resets_and_keeps_config():
     s = reduce(s, hello())
     s = reduce(s, RequestEvent(1, 100, 8, 0, 0.0))
     s2 = reduce(s, hello(model="other"))
-    assert s2.config["model"] == "other"
+    assert s2.config.model == "other"
     assert not s2.requests and s2.synced and not s2.stale
     assert len(s2.blocks) == 32
 
@@ -81,7 +81,7 @@ def test_late_joiner_keeps_snapshot_whatever_the_hello_order():
                          blocks=[BlockOwner(0, 3, 1)], block_tables={3: [0]}, running=[3])
     for order in ([snap, hello()], [hello(), snap]):
         s = reduce_all(new_state(), [step(5, running=[3]), *order, step(6, running=[3])])
-        assert not s.stale and s.config["model"] == "m"
+        assert not s.stale and s.config.model == "m"
         assert s.requests[3].known and s.tables == {3: [0]} and s.blocks.owner[0] == 3
 
 

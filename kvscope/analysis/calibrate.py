@@ -48,7 +48,7 @@ def read_trace(path: str) -> TraceData:
             steps.append(ev)
         elif isinstance(ev, RequestEvent):
             requests.append(ev)
-    return TraceData(dict(reader.hello.config), steps, requests)
+    return TraceData(reader.hello.config.as_dict(), steps, requests)
 
 
 def step_shape(ev: StepEvent) -> StepShape:

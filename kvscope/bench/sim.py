@@ -83,7 +83,7 @@ def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None
     wall = time.perf_counter() - wall
     from kvscope.engine.llm_engine import LLMEngine
 
-    hello = LLMEngine(config).hello().config
+    hello = LLMEngine(config).hello().config.as_dict()
     steps = sum(r["steps"] for r in rows)
     return {
         "workload": spec.name,

@@ -1,15 +1,17 @@
 """Event schema, version 1: the only contract between the engine and its watchers.
 
-Every event is a dataclass here. On the wire a top-level event is a msgpack map
-with a ``type`` key; nested records are encoded as positional arrays in the field
-order declared below (see docs/PROTOCOL.md). Times are seconds on the engine's
-clock (0 at engine start) unless a field says ``wall``.
+Every event is a msgspec Struct here, and these declarations are the schema: the
+codec (``kvscope.protocol.codec``) decodes straight into them, so every type, range,
+enum and length below is checked on the way in. On the wire a top-level event is a
+msgpack map tagged by ``type``; nested records are positional arrays
+(``array_like``) in the field order declared below (docs/PROTOCOL.md). Times are
+seconds on the engine's clock (0 at engine start) unless a field says ``wall``.
 """
 
-from __future__ import annotations
+from typing import Annotated, ClassVar, Literal, Union
 
-from dataclasses import dataclass, field
-from typing import Any, Union
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 PROTOCOL_VERSION = 1
 
@@ -27,6 +29,7 @@ BLOCK_REASONS = (BLOCKED_KV, BLOCKED_BUDGET, BLOCKED_SEQS, BLOCKED_STATIC)
 VERDICT_ADMITTED, VERDICT_BLOCKED, VERDICT_IDLE = "admitted", "blocked", "idle"
 
 PREFILL, DECODE = "prefill", "decode"
+SWAP_OUT, SWAP_IN = "out", "in"
 
 # Why a request finished (Finish.reason). "abort" was added within v1: the request was
 # ended early (its HTTP client disconnected); older streams never carry it.
@@ -36,197 +39,260 @@ FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT
 # Where a request came from (RequestEvent.source, RequestState.source; added within v1).
 SOURCE_ENGINE, SOURCE_HTTP = "", "http"  # "": the engine's own workload or control injections
 
+# ----------------------------------------------------------------------------- limits
+MAX_LIST_LEN = 1 << 20  # any array (block lists of a large KV pool fit)
+MAX_NAME_LEN = 1024  # reason / mode / name strings
+MAX_TEXT_LEN = 64 << 10  # free text (a model path)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_FLOAT_MAX = 1.7976931348623157e308
 
-@dataclass(slots=True)
-class BatchEntry:
-    req: int
-    kind: str  # PREFILL or DECODE
-    tokens: int  # tokens computed for this request this step
-    start: int  # position of the first of them
-
-
-@dataclass(slots=True)
-class Admission:
-    verdict: str  # VERDICT_*
-    reason: str | None = None  # one of BLOCK_REASONS when blocked
-    req: int | None = None  # the head of WAITING the verdict is about
-
-
-@dataclass(slots=True)
-class Preemption:
-    req: int
-    reason: str  # e.g. "kv_blocks"
-    mode: str = "recompute"  # or "swap"
-
-
-@dataclass(slots=True)
-class BlockAlloc:
-    block: int
-    req: int
+# Field types: the constraints are part of the schema.
+Int = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # request ids, steps, priorities
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # counts, lengths, block ids
+Float = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]  # finite (NaN fails both bounds)
+Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
+IntList = Annotated[list[Int], Meta(max_length=MAX_LIST_LEN)]
+CountList = Annotated[list[Count], Meta(max_length=MAX_LIST_LEN)]
+Kind = Literal["prefill", "decode"]
+Verdict = Literal["admitted", "blocked", "idle"]
+State = Literal["waiting", "running", "preempted", "swapped", "finished"]
+Direction = Literal["out", "in"]
+Source = Annotated[str, Meta(max_length=16)]
 
 
-@dataclass(slots=True)
-class RefChange:
-    block: int
-    refcount: int
+def _list(t):
+    return Annotated[list[t], Meta(max_length=MAX_LIST_LEN)]
 
 
-@dataclass(slots=True)
-class FirstToken:
-    req: int
-    ttft: float
+# ------------------------------------------------------------------- nested records
+class BatchEntry(Struct, array_like=True, gc=False):
+    req: Int
+    kind: Kind  # PREFILL or DECODE
+    tokens: Count  # tokens computed for this request this step
+    start: Count  # position of the first of them
 
 
-@dataclass(slots=True)
-class Finish:
-    req: int
-    ttft: float
-    e2e: float
-    output_len: int
-    reason: str  # one of FINISH_REASONS
+class Admission(Struct, array_like=True, gc=False):
+    verdict: Verdict
+    reason: Name | None = None  # one of BLOCK_REASONS when blocked
+    req: Int | None = None  # the head of WAITING the verdict is about
 
 
-@dataclass(slots=True)
-class ItlSample:
-    req: int
-    gap: float
+class Preemption(Struct, array_like=True, gc=False):
+    req: Int
+    reason: Name  # "kv_blocks" or "priority"
+    mode: Name = "recompute"  # or "swap"
 
 
-@dataclass(slots=True)
-class PrefixHit:
-    req: int
-    tokens: int  # prompt tokens found in the prefix cache at admission (not computed)
-    blocks: int  # cached blocks the request now shares or revived
+class BlockAlloc(Struct, array_like=True, gc=False):
+    block: Count
+    req: Int
 
 
-@dataclass(slots=True)
-class Swap:
-    req: int
-    direction: str  # SWAP_OUT (KV copied to CPU, request SWAPPED) or SWAP_IN (copied back, RUNNING)
-    blocks: int  # blocks copied
+class RefChange(Struct, array_like=True, gc=False):
+    block: Count
+    refcount: Count
 
 
-SWAP_OUT, SWAP_IN = "out", "in"
+class FirstToken(Struct, array_like=True, gc=False):
+    req: Int
+    ttft: Float
 
 
-@dataclass(slots=True)
-class KvCounters:
-    total: int = 0  # blocks in the pool
-    used: int = 0  # blocks referenced by a live request
-    free: int = 0  # blocks on the free list (cached ones included)
-    cached: int = 0  # free blocks still holding a reusable prefix
-    shared: int = 0  # blocks referenced by more than one request
-    token_slots: int = 0  # slots holding a computed token
-    tail_waste: int = 0  # empty slots in partly filled last blocks
-    reserve_waste: int = 0  # empty slots in whole blocks reserved ahead (static/naive reservation)
+class Finish(Struct, array_like=True, gc=False):
+    req: Int
+    ttft: Float
+    e2e: Float
+    output_len: Count
+    reason: Name  # one of FINISH_REASONS (a later v1 writer may add more)
+
+
+class ItlSample(Struct, array_like=True, gc=False):
+    req: Int
+    gap: Float
+
+
+class PrefixHit(Struct, array_like=True, gc=False):
+    req: Int
+    tokens: Count  # prompt tokens found in the prefix cache at admission (not computed)
+    blocks: Count  # cached blocks the request now shares or revived
+
+
+class Swap(Struct, array_like=True, gc=False):
+    req: Int
+    direction: Direction  # SWAP_OUT (KV copied to CPU, request SWAPPED) or SWAP_IN (copied back, RUNNING)
+    blocks: Count  # blocks copied
+
+
+class KvCounters(Struct, array_like=True, gc=False):
+    total: Count = 0  # blocks in the pool
+    used: Count = 0  # blocks referenced by a live request
+    free: Count = 0  # blocks on the free list (cached ones included)
+    cached: Count = 0  # free blocks still holding a reusable prefix
+    shared: Count = 0  # blocks referenced by more than one request
+    token_slots: Count = 0  # slots holding a computed token
+    tail_waste: Count = 0  # empty slots in partly filled last blocks
+    reserve_waste: Count = 0  # empty slots in whole blocks reserved ahead (static/naive reservation)
     # added with prefix caching and swapping (older streams decode them as 0)
-    swap_total: int = 0  # blocks in the CPU swap pool (preemption mode "swap")
-    swap_used: int = 0  # CPU swap blocks holding a swapped-out request's KV
-    hit_tokens: int = 0  # prompt tokens served from the prefix cache, since start
-    query_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
-    cow_copies: int = 0  # shared blocks copied before a write (copy-on-write), since start
+    swap_total: Count = 0  # blocks in the CPU swap pool (preemption mode "swap")
+    swap_used: Count = 0  # CPU swap blocks holding a swapped-out request's KV
+    hit_tokens: Count = 0  # prompt tokens served from the prefix cache, since start
+    query_tokens: Count = 0  # prompt tokens looked up in the prefix cache, since start
+    cow_copies: Count = 0  # shared blocks copied before a write (copy-on-write), since start
 
 
-@dataclass(slots=True)
-class HelloEvent:
-    version: int
-    config: dict[str, Any]
-    wall_start: float
-    type: str = "hello"
+class RequestState(Struct, array_like=True, gc=False):
+    req: Int
+    state: State  # one of REQUEST_STATES
+    prompt_len: Count
+    max_tokens: Count
+    computed: Count  # tokens whose KV is in the cache
+    output_len: Count
+    priority: Int
+    arrival: Float
+    ttft: Float | None
+    preemptions: Count
+    cached_tokens: Count = 0  # prompt tokens served from the prefix cache (added with prefix caching)
+    source: Source = SOURCE_ENGINE  # as in RequestEvent (added with the HTTP API)
 
 
-@dataclass(slots=True)
-class RequestEvent:
-    req: int
-    prompt_len: int
-    max_tokens: int
-    priority: int
-    arrival: float
-    source: str = SOURCE_ENGINE  # SOURCE_HTTP for a request sent to the HTTP API (optional: older streams omit it)
-    type: str = "request"
+class BlockOwner(Struct, array_like=True, gc=False):
+    block: Count
+    req: Int  # the request whose table holds it (first owner for shared blocks)
+    refcount: Count
 
 
-@dataclass(slots=True)
-class RejectEvent:
-    req: int
-    reason: str
-    t: float
-    type: str = "reject"
+# ------------------------------------------------------------------------ engine info
+class EngineInfo(Struct, kw_only=True):
+    """``hello.config``: what the engine runs, as typed fields (a map on the wire).
+
+    Fields a stream leaves out decode to their defaults ("" / None: not reported);
+    unknown keys are ignored. Fields whose default is UNSET are sent only by the
+    backends they concern (the sim's, a GPU's name) and are left out of the map when
+    unset, so an engine's hello encodes exactly the keys it sets, in this order.
+    """
+
+    model: Text = ""
+    device: Name = ""
+    dtype: Name = ""
+    backend: Name = ""  # "model" or "sim"
+    mode: Name = ""  # naive, static, continuous, chunked
+    policy: Text = ""
+    block_size: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 16
+    num_blocks: Count | None = None
+    max_num_seqs: Count | None = None
+    max_num_batched_tokens: Count | None = None
+    max_model_len: Count | None = None
+    seed: Int | None = None
+    prefix_caching: bool = False
+    preemption: Name = ""  # "recompute" or "swap"
+    swap_space: Float | None = None  # GiB of CPU memory for swapped-out KV
+    cpu_threads: Count | None = None
+    enforce_eager: bool = False
+    gpu: Name | UnsetType = UNSET  # sim: catalog GPU
+    tp: Count | UnsetType = UNSET  # sim: tensor-parallel degree
+    kv_cache_dtype: Name | UnsetType = UNSET
+    gpu_memory_utilization: Float | None = None
+    sim_efficiency: Annotated[dict[Name, Float], Meta(max_length=64)] | None | UnsetType = UNSET
+    sim_pace: Float | None | UnsetType = UNSET
+    attention: Name = ""  # the attention implementation
+    preemption_mode: Name = ""
+    sim_model: Name | UnsetType = UNSET  # sim: catalog model shape
+    weight_dtype: Name | UnsetType = UNSET
+    device_name: Text | UnsetType = UNSET  # CUDA: the GPU's name
+    max_waiting: Count | None | UnsetType = UNSET  # cap of queued requests
+
+    def as_dict(self) -> dict:
+        """The fields that are set, as a plain dict (for display and tools)."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET}
 
 
-@dataclass(slots=True)
-class StepEvent:
-    step: int
-    t: float
-    dur: float
-    budget: int
-    batch: list[BatchEntry] = field(default_factory=list)
-    padding: int = 0  # padded tokens computed for nothing (static mode)
-    running: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    swapped: list[int] = field(default_factory=list)
-    admission: Admission = field(default_factory=lambda: Admission(VERDICT_IDLE))
-    preemptions: list[Preemption] = field(default_factory=list)
-    alloc: list[BlockAlloc] = field(default_factory=list)
-    freed: list[int] = field(default_factory=list)
-    refs: list[RefChange] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)  # requests that got an output token
-    first_tokens: list[FirstToken] = field(default_factory=list)
-    finished: list[Finish] = field(default_factory=list)
-    itl: list[ItlSample] = field(default_factory=list)
-    kv: KvCounters = field(default_factory=KvCounters)
-    dropped: int = 0  # events lost by the publisher since the previous step
+def engine_info(config: dict | EngineInfo) -> EngineInfo:
+    """An EngineInfo from an engine's config dict (keys it does not know are dropped)."""
+    if isinstance(config, EngineInfo):
+        return config
+    known = EngineInfo.__struct_fields__
+    return EngineInfo(**{k: v for k, v in config.items() if k in known})
+
+
+# ---------------------------------------------------------------------------- events
+class HelloEvent(Struct, tag="hello", tag_field="type"):
+    type: ClassVar[str] = "hello"
+    version: Int
+    config: EngineInfo
+    wall_start: Float
+
+    def __post_init__(self) -> None:
+        if type(self.config) is not EngineInfo:  # built by hand from a dict
+            self.config = engine_info(self.config)
+
+
+class RequestEvent(Struct, tag="request", tag_field="type"):
+    type: ClassVar[str] = "request"
+    req: Int
+    prompt_len: Count
+    max_tokens: Count
+    priority: Int
+    arrival: Float
+    source: Source = SOURCE_ENGINE  # SOURCE_HTTP for a request sent to the HTTP API (optional: older streams omit it)
+
+
+class RejectEvent(Struct, tag="reject", tag_field="type"):
+    type: ClassVar[str] = "reject"
+    req: Int
+    reason: Name
+    t: Float
+
+
+class StepEvent(Struct, tag="step", tag_field="type"):
+    type: ClassVar[str] = "step"
+    step: Int
+    t: Float
+    dur: Float
+    budget: Count
+    batch: _list(BatchEntry) = []
+    padding: Count = 0  # padded tokens computed for nothing (static mode)
+    running: IntList = []
+    waiting: IntList = []
+    preempted: IntList = []
+    swapped: IntList = []
+    admission: Admission = msgspec.field(default_factory=lambda: Admission(VERDICT_IDLE))
+    preemptions: _list(Preemption) = []
+    alloc: _list(BlockAlloc) = []
+    freed: CountList = []
+    refs: _list(RefChange) = []
+    sampled: IntList = []  # requests that got an output token
+    first_tokens: _list(FirstToken) = []
+    finished: _list(Finish) = []
+    itl: _list(ItlSample) = []
+    kv: KvCounters = msgspec.field(default_factory=KvCounters)
+    dropped: Count = 0  # events lost by the publisher since the previous step
     # added with prefix caching and swapping (optional: older streams omit them)
-    hits: list[PrefixHit] = field(default_factory=list)  # prefix-cache hits of requests admitted this step
-    swaps: list[Swap] = field(default_factory=list)  # swaps out (with a "swap" preemption) and in
-    type: str = "step"
+    hits: _list(PrefixHit) = []  # prefix-cache hits of requests admitted this step
+    swaps: _list(Swap) = []  # swaps out (with a "swap" preemption) and in
 
 
-@dataclass(slots=True)
-class RequestState:
-    req: int
-    state: str  # one of REQUEST_STATES
-    prompt_len: int
-    max_tokens: int
-    computed: int  # tokens whose KV is in the cache
-    output_len: int
-    priority: int
-    arrival: float
-    ttft: float | None
-    preemptions: int
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (added with prefix caching)
-    source: str = SOURCE_ENGINE  # as in RequestEvent (added with the HTTP API)
+class SnapshotEvent(Struct, tag="snapshot", tag_field="type"):
+    type: ClassVar[str] = "snapshot"
+    step: Int
+    t: Float
+    requests: _list(RequestState) = []
+    blocks: _list(BlockOwner) = []
+    # {req: [block, ...]} here; an array of [req, [block, ...]] pairs on the wire (the codec)
+    block_tables: dict[Int, CountList] = {}
+    running: IntList = []
+    waiting: IntList = []
+    preempted: IntList = []
+    swapped: IntList = []
+    kv: KvCounters = msgspec.field(default_factory=KvCounters)
 
 
-@dataclass(slots=True)
-class BlockOwner:
-    block: int
-    req: int  # the request whose table holds it (first owner for shared blocks)
-    refcount: int
-
-
-@dataclass(slots=True)
-class SnapshotEvent:
-    step: int
-    t: float
-    requests: list[RequestState] = field(default_factory=list)
-    blocks: list[BlockOwner] = field(default_factory=list)
-    block_tables: dict[int, list[int]] = field(default_factory=dict)
-    running: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    swapped: list[int] = field(default_factory=list)
-    kv: KvCounters = field(default_factory=KvCounters)
-    type: str = "snapshot"
-
-
-@dataclass(slots=True)
-class ByeEvent:
-    step: int
-    t: float
-    reason: str = "drained"
-    type: str = "bye"
+class ByeEvent(Struct, tag="bye", tag_field="type"):
+    type: ClassVar[str] = "bye"
+    step: Int
+    t: Float
+    reason: Name = "drained"
 
 
 Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent]

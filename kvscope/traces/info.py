@@ -27,7 +27,7 @@ def trace_info(path: str | os.PathLike) -> str:
         started = _dt.datetime.fromtimestamp(h.wall_start, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     except (OverflowError, OSError, ValueError):
         started = f"{h.wall_start!r} (wall clock)"
-    cfg = h.config
+    cfg = h.config.as_dict()
     shown = [f"{k}={cfg[k]}" for k in _CONFIG_KEYS if k in cfg]
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:

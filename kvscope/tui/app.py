@@ -29,7 +29,6 @@ from kvscope.tui.screens.seek import seek_to
 from kvscope.tui.sources import LiveSource, ReplayController
 from kvscope.tui.state import (
     CONN_LIVE,
-    merge_config,
     new_state,
     note_local_drop,
     reduce,
@@ -122,9 +121,6 @@ class KvscopeApp(App):
         return len(events)
 
     def _on_reply(self, cmd: str, reply: dict, quiet: bool) -> None:
-        cfg = reply.get("config")
-        if isinstance(cfg, dict):
-            merge_config(self.state, cfg)
         if "paused" in reply:
             self.engine_paused = bool(reply["paused"])
         if quiet:

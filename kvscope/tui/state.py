@@ -57,6 +57,7 @@ from kvscope.protocol.events import (
     WAITING,
     Admission,
     ByeEvent,
+    EngineInfo,
     HelloEvent,
     KvCounters,
     RejectEvent,
@@ -156,7 +157,7 @@ class BlockPool:
 
 @dataclass(slots=True)
 class TuiState:
-    config: dict[str, Any] = field(default_factory=dict)
+    config: EngineInfo | None = None  # from hello; None until one is seen
     wall_start: float | None = None  # identifies the engine run (from hello)
     version: int = 0  # bumped by every change; the app repaints when it moves
     conn: str = CONN_CONNECTING
@@ -203,29 +204,25 @@ class TuiState:
             self.ttft = LogHistogram(1e-3, 1e3, 6)
         if self.itl is None:
             self.itl = LogHistogram(1e-4, 1e2, 6)
-        if not self.blocks.owner:
-            n = int(self.config.get("num_blocks") or 0)
-            if n:
-                self.blocks.reset(n)
+        if not self.blocks.owner and self.config is not None and self.config.num_blocks:
+            self.blocks.reset(self.config.num_blocks)
 
     # -- read helpers used by widgets and screens ---------------------------------
     @property
     def mode(self) -> str:
-        return str(self.config.get("mode", "?"))
+        return (self.config.mode if self.config is not None else "") or "?"
 
     @property
     def block_size(self) -> int:
-        return int(self.config.get("block_size") or 16)
+        return self.config.block_size if self.config is not None else 16
 
     def get(self, req: int) -> ReqView | None:
         r = self.requests.get(req)
         return r if r is not None else self.finished.get(req)
 
     def chunk_size(self) -> int:
-        for k in ("chunk_size", "max_num_batched_tokens"):
-            v = self.config.get(k)
-            if v:
-                return int(v)
+        if self.config is not None and self.config.max_num_batched_tokens:
+            return self.config.max_num_batched_tokens
         return self.last_batch.budget if self.last_batch and self.last_batch.budget > 0 else 512
 
     def chunks(self, r: ReqView) -> tuple[int, int]:
@@ -260,8 +257,8 @@ class TuiState:
 
 
 # ---------------------------------------------------------------------------------
-def new_state(config: dict[str, Any] | None = None, conn: str = CONN_CONNECTING) -> TuiState:
-    return TuiState(config=dict(config or {}), conn=conn)
+def new_state(config: EngineInfo | None = None, conn: str = CONN_CONNECTING) -> TuiState:
+    return TuiState(config=config, conn=conn)
 
 
 def set_connection(state: TuiState, conn: str) -> TuiState:
@@ -276,20 +273,6 @@ def note_local_drop(state: TuiState, n: int) -> TuiState:
     if n > 0:
         state.local_dropped += n
         _mark_stale(state, "events dropped")
-        state.version += 1
-    return state
-
-
-def merge_config(state: TuiState, config: dict[str, Any]) -> TuiState:
-    """Fill in the engine config when the hello was missed (e.g. from a control reply)."""
-    changed = False
-    for k, v in config.items():
-        if k not in state.config:
-            state.config[k] = v
-            changed = True
-    if changed:
-        n = int(state.config.get("num_blocks") or 0)
-        state.blocks.ensure(n)
         state.version += 1
     return state
 
@@ -340,13 +323,13 @@ def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
         # The same engine run announcing itself again (around an on-demand
         # snapshot): nothing to reset.
         return state
-    if not state.config:
+    if state.config is None:
         # The first hello we see. Either the run is just starting, or we joined it
         # late and this hello came with an on-demand snapshot (before or after it):
         # keep what we have, learn the config.
-        state.config = dict(ev.config)
+        state.config = ev.config
         state.wall_start = ev.wall_start
-        state.blocks.ensure(int(ev.config.get("num_blocks") or 0))
+        state.blocks.ensure(ev.config.num_blocks or 0)
         if state.steps_seen == 0 and state.snapshots == 0:
             state.synced = True
         state.version += 1
@@ -639,7 +622,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
     state.waiting = list(ev.waiting)
     state.preempted = list(ev.preempted)
     state.swapped = list(ev.swapped)
-    n = max(ev.kv.total, int(state.config.get("num_blocks") or 0), len(state.blocks))
+    n = max(ev.kv.total, (state.config.num_blocks or 0) if state.config is not None else 0, len(state.blocks))
     if ev.blocks:
         n = max(n, max(bo.block for bo in ev.blocks) + 1)
     state.blocks.reset(n)

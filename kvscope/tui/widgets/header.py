@@ -21,24 +21,24 @@ class HeaderBar(StateWidget):
         if st is None:
             return top
         cfg = st.config
-        if cfg:
-            top.append(f" {cfg.get('model', '?')}", style="bold")
-            top.append(f" · {cfg.get('device', '?')}")
-            backend = cfg.get("backend")
+        if cfg is not None:
+            top.append(f" {cfg.model or '?'}", style="bold")
+            top.append(f" · {cfg.device or '?'}")
+            backend = cfg.backend
             if backend == "sim":
                 top.append(" · ")
                 top.append(" SIM ", style=f"bold black on {pal.warn}")
                 top.append(" virtual clock", style=pal.dim)
             elif backend:
                 top.append(f" · {backend}", style=pal.dim)
-            top.append(f" │ {cfg.get('mode', '?')}", style="bold")
-            top.append(f" · {cfg.get('policy', '?')}")
-            nb = cfg.get("num_blocks") or st.kv.total or len(st.blocks)
-            top.append(f" │ {nb}×{cfg.get('block_size', '?')} blocks")
-            budget = cfg.get("max_num_batched_tokens")
+            top.append(f" │ {cfg.mode or '?'}", style="bold")
+            top.append(f" · {cfg.policy or '?'}")
+            nb = cfg.num_blocks or st.kv.total or len(st.blocks)
+            top.append(f" │ {nb}×{cfg.block_size} blocks")
+            budget = cfg.max_num_batched_tokens
             if budget:
                 top.append(f" · budget {budget}", style=pal.dim)
-            seqs = cfg.get("max_num_seqs")
+            seqs = cfg.max_num_seqs
             if seqs:
                 top.append(f" · seqs {seqs}", style=pal.dim)
         else:

@@ -39,7 +39,7 @@ def blocked_reason(st) -> str:
         used = f" ({b.prefill + b.decode}/{b.budget})" if b else ""
         return f"{head} blocked: token budget spent{used}"
     if adm.reason == BLOCKED_SEQS:
-        cap = st.config.get("max_num_seqs")
+        cap = st.config.max_num_seqs if st.config is not None else None
         return f"{head} blocked: max_num_seqs ({len(st.running)}/{cap or '?'} running)"
     if adm.reason == BLOCKED_STATIC:
         return f"{head} blocked: static batch still running"
@@ -160,7 +160,7 @@ class QueueTable(StateWidget, can_focus=True):
         if self.kind == "preempted" and st is not None and st.swapped:
             head.append(f"  ({len(st.swapped)} swapped)", style=pal.dim)
         if self.kind == "running" and st is not None:
-            cap = st.config.get("max_num_seqs")
+            cap = st.config.max_num_seqs if st.config is not None else None
             if cap:
                 head.append(f" / {cap} seqs", style=pal.dim)
         lines.append(head)
