@@ -1,6 +1,6 @@
 """Encode and decode cost per event: the msgspec codec against the one it replaced, in one run.
 
-    python bench/protocol_codec.py [--old-rev 71b425a] [--json bench/results/protocol-codec.json]
+    python bench/protocol_codec.py [--old-rev a966494] [--json bench/results/protocol-codec.json]
 
 The old codec (hand-written validators over dataclasses) is loaded from git at
 ``--old-rev`` into a throwaway package, so both run in the same process on the same
@@ -91,7 +91,7 @@ def per_call_us(fn, arg, number: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--old-rev", default="71b425a")
+    p.add_argument("--old-rev", default="a966494")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--number", type=int, default=300)
     args = p.parse_args(argv)

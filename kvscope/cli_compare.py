@@ -121,7 +121,7 @@ def _race_inputs(args, engine_config):
 def _device(config) -> str:
     from kvscope.engine.llm_engine import LLMEngine
 
-    return str(LLMEngine(config).hello().config.get("device"))
+    return str(LLMEngine(config).hello().config.device)
 
 
 def cmd_race(args: argparse.Namespace) -> int:

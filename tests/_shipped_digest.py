@@ -3,7 +3,7 @@
 ``digest(path)`` reads a trace, re-encodes every event, folds the events into the TUI
 state and seeks to a few steps; the result is plain data. tests/data/shipped_traces.json
 holds the digests the code produced before the protocol moved to msgspec (captured at
-commit 71b425a); test_protocol_shipped.py checks the current code gives the same.
+commit a966494); test_protocol_shipped.py checks the current code gives the same.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_trace_figures_equal_the_run_rows(raced):
 
     for row in raced[2]:
         trace = TraceReader(row["trace"])
-        fig = figures_of(trace, trace.hello.config["block_size"])
+        fig = figures_of(trace, trace.hello.config.block_size)
         for key in ("output_tok_per_s", "ttft_mean_s", "ttft_p99_s", "itl_p99_s", "kv_waste", "duration_s"):
             assert fig[key] == pytest.approx(row[key], rel=1e-9), key
         assert fig["preemptions"] == row["preemptions"]

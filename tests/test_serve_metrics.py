@@ -99,7 +99,7 @@ def _value(families, name, sample=None, **labels) -> float:
 
 def test_names_types_labels_and_buckets_are_vllms(run):
     families, events = run
-    max_model_len = events[0].config["max_model_len"]
+    max_model_len = events[0].config.max_model_len
     assert 200 <= max_model_len < 500
     for name, (kind, buckets) in VLLM.items():
         if buckets is ONE_TWO_FIVE:

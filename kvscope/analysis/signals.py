@@ -69,9 +69,10 @@ class StepLog:
         elif kind is RequestEvent:
             self.reqs[ev.req] = _Req(ev.arrival, ev.priority, ev.prompt_len)
         elif kind is HelloEvent:
-            if self.config and ev.config != self.config and self.config.get("_wall") != ev.wall_start:
+            config = ev.config.as_dict()
+            if self.config and config != self.config and self.config.get("_wall") != ev.wall_start:
                 self.reset()
-            self.config = dict(ev.config)
+            self.config = config
             self.config["_wall"] = ev.wall_start
         elif kind is SnapshotEvent:
             self.snapshots += 1

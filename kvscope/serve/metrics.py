@@ -70,7 +70,7 @@ class PrometheusSink:
                 self._timing[event.req] = _Timing(event.arrival, event.prompt_len, event.max_tokens)
         elif isinstance(event, HelloEvent):
             if self.vllm is None:
-                max_model_len = int(event.config.get("max_model_len") or 1)
+                max_model_len = int(event.config.max_model_len or 1)
                 self.vllm = VllmMetrics(self.registry, self.labels, max_model_len, VLLM_FINISH_REASONS)
                 self.kvscope = KvscopeMetrics(self.registry, self.labels, BLOCK_REASONS)
         elif isinstance(event, SnapshotEvent):

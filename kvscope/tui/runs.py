@@ -89,7 +89,7 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     run = Run(path=path, label=label)
     try:
         trace = open_trace(path)
-        run.config = dict(getattr(trace.hello, "config", {}) or {})
+        run.config = trace.hello.config.as_dict()
         acc = RunFigures()
         acc.block_size = _int(run.config.get("block_size"), 16)
         prompt_tokens = max_tokens = 0
