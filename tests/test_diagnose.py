@@ -75,7 +75,7 @@ def test_verdict_and_top_knob(name):
 
 def _rerun(events: list, knob, workload: str, n: int) -> RunFigures:
     """A real sim re-run of the workload with the knob applied, summarised like the trace."""
-    config = dict(next(e for e in events if type(e).__name__ == "HelloEvent").config)
+    config = next(e for e in events if type(e).__name__ == "HelloEvent").config.as_dict()
     settings = apply_knob(sim_settings(config), knob)
     tr = TraceRequests()
     for ev in run_config(EngineConfig(**settings), _workload(workload), n, 0):
@@ -189,7 +189,7 @@ def test_replay_rebuilds_shared_prefixes():
         tr.add(ev)
     reqs = tr.replay_requests()
     assert sum(r.prefix_len > 0 for r in reqs) >= 25
-    config = dict(events[0].config)
+    config = events[0].config.as_dict()
     run = run_sim(reqs, sim_settings(config))
     assert _close(run.figures.output_tok_per_s, tr.figures().output_tok_per_s, 0.05)
 
