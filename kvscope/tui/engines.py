@@ -64,7 +64,7 @@ class KvscopeFeed:
         cfg = st.config
         return EngineRow(
             name=self.name, kind=self.kind,
-            setup=f"{cfg.get('mode', '?')} · {cfg.get('policy', '?')}" if cfg else "-",
+            setup=f"{cfg.mode or '?'} · {cfg.policy or '?'}" if cfg is not None else "-",
             connection=st.conn, running=len(st.running), waiting=len(st.waiting),
             kv_used=kv.used / kv.total if kv.total else None, tok_per_s=st.rates()[1],
             ttft_p99_s=st.ttft.quantile(0.99) if st.ttft.n else None,
