@@ -101,9 +101,9 @@ class RunNumbers(StateWidget):
         for name, h in (("TTFT", st.ttft), ("ITL ", st.itl)):
             ln = Text(f" {name} ", style="bold", no_wrap=True)
             ln.append("p50 ", style=pal.dim)
-            ln.append(f"{fmt.latency(_pct(h, 0.5)):>6}", style=pal.p50)
+            ln.append(f"{fmt.latency(_pct(h, 0.5)):>7}", style=pal.p50)
             ln.append("  p99 ", style=pal.dim)
-            ln.append(f"{fmt.latency(_pct(h, 0.99)):>6}", style=pal.p99)
+            ln.append(f"{fmt.latency(_pct(h, 0.99)):>7}", style=pal.p99)
             lines.append(ln)
         origin = self.run.first_arrival or 0.0
         now = (st.last_batch.t + st.last_batch.dur) if st.last_batch else origin
