@@ -230,6 +230,10 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
+    if args.host_overhead:
+        from kvscope.bench.host_overhead import cmd_host_overhead
+
+        return cmd_host_overhead(args, _write_json)
     if args.fit and args.anchors is None:
         raise UsageError("--fit goes with --anchors")
     if args.anchors is not None:  # always on the sim: the published runs' table (docs/SIM.md)
@@ -380,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="naive,static,continuous,chunked")
     p.add_argument("--peers", default="hf-static,hf-generate-batch", help="comma list; empty for none")
     p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="host time per step at 64, 256 and 1,024 running, with no compute")
     p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation (bench/presets/)")
     p.add_argument("--anchors", nargs="?", const=True, default=None, metavar="FILE",
                    help="sim vs published runs of real engines (default bench/anchors.json)")

@@ -103,6 +103,12 @@ class BlockManager:
         self._log_refs: list[tuple[int, int]] = []
         self._ref_logged: set[int] = set()
         self._copies: list[tuple[int, int]] = []
+        # counters() in O(1): sums over requests of (KV tokens in held blocks, blocks holding them,
+        # blocks held). Every change to `tables`, `filled` or `_dropped` goes between
+        # _unaccount(req) and _account(req); set_filled adjusts them inline when it can.
+        self._sum_filled = 0
+        self._sum_holding = 0
+        self._sum_table = 0
         # prefix-cache statistics, since start
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -208,6 +214,28 @@ class BlockManager:
         return need <= self.num_free - taken
 
     # ---- mutations -----------------------------------------------------------
+    def _contribution(self, req_id: int) -> tuple[int, int, int]:
+        """(KV tokens in its held blocks, blocks holding them, blocks held) for counters()."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return 0, 0, 0
+        bs = self.block_size
+        dropped = self._dropped.get(req_id, 0) * bs  # tokens whose blocks were released
+        filled = max(0, min(self.filled.get(req_id, 0), dropped + len(table) * bs) - dropped)
+        return filled, blocks_needed(filled, bs), len(table)
+
+    def _unaccount(self, req_id: int) -> None:
+        filled, holding, length = self._contribution(req_id)
+        self._sum_filled -= filled
+        self._sum_holding -= holding
+        self._sum_table -= length
+
+    def _account(self, req_id: int) -> None:
+        filled, holding, length = self._contribution(req_id)
+        self._sum_filled += filled
+        self._sum_holding += holding
+        self._sum_table += length
+
     def _touch(self, block: int) -> None:
         if block not in self._start_ref:
             self._start_ref[block] = self.ref_counts[block]
@@ -260,6 +288,7 @@ class BlockManager:
         would write into is copied (copy-on-write) rather than shared."""
         if not self.can_admit(hits, computed, total_tokens):
             return False
+        self._unaccount(req_id)
         bs = self.block_size
         table = self.tables.setdefault(req_id, [])
         self.filled[req_id] = computed
@@ -297,11 +326,19 @@ class BlockManager:
             self._appends.append((block, req_id))
             self._log_ref(block, count)
             table.append(block)
-        return self.grow(req_id, total_tokens)
+        grown = self._grow(req_id, total_tokens)  # can_admit checked that it fits
+        self._account(req_id)
+        return grown
 
     def grow(self, req_id: int, total_tokens: int, computed: int = 0) -> bool:
         """Make req_id's table cover total_tokens slots; all or nothing. A new table for a request
         with `computed` tokens already computed (swapped in) starts at its window."""
+        self._unaccount(req_id)
+        grown = self._grow(req_id, total_tokens, computed)
+        self._account(req_id)
+        return grown
+
+    def _grow(self, req_id: int, total_tokens: int, computed: int = 0) -> bool:
         fresh = req_id not in self.tables
         if fresh and self.outside_window(computed):
             self._dropped[req_id] = self.outside_window(computed)
@@ -322,9 +359,21 @@ class BlockManager:
         table = self.tables.get(req_id)
         if table is None:
             return
-        self.filled[req_id] = num_tokens
-        if self.enable_caching and token_ids is not None:
-            bs = self.block_size
+        bs = self.block_size
+        if self.sliding_window is None:  # _unaccount / _account, inline: this runs every step per request
+            cap = len(table) * bs
+            old = self.filled.get(req_id, 0)
+            old = old if old < cap else cap
+            new = num_tokens if num_tokens < cap else cap
+            self._sum_filled += new - old
+            self._sum_holding += (new + bs - 1) // bs - (old + bs - 1) // bs
+            self.filled[req_id] = num_tokens
+        else:
+            self._unaccount(req_id)
+            self.filled[req_id] = num_tokens
+            self._account(req_id)
+        if self.enable_caching and token_ids is not None and min(num_tokens, len(token_ids)) // bs > len(
+                self._chains.get(req_id, ())):
             dropped = self._dropped.get(req_id, 0)
             chain = self._chains.setdefault(req_id, [])
             for i in range(len(chain), min(num_tokens, len(token_ids)) // bs):
@@ -339,7 +388,8 @@ class BlockManager:
                     self._by_hash[key] = block
                     self.block_hash[block] = key
                     self.cache_events.stored(key, parent, tokens)
-        self._slide(req_id, num_tokens)
+        if self.sliding_window is not None:
+            self._slide(req_id, num_tokens)
 
     def _slide(self, req_id: int, num_computed: int) -> None:
         """Release req_id's leading blocks that no query from position num_computed on can read."""
@@ -348,10 +398,27 @@ class BlockManager:
         n = min(self.outside_window(num_computed) - dropped, len(table or ()))
         if n <= 0:
             return
+        self._unaccount(req_id)
         for block in table[:n]:
             self._release(block)
         del table[:n]
         self._dropped[req_id] = dropped + n
+        self._account(req_id)
+
+    def add_one_filled(self, req_ids: list[int]) -> None:
+        """set_filled(req, filled + 1) for each of req_ids, for a decode step without prefix caching or
+        a sliding window (each was given a slot for its token)."""
+        assert not self.enable_caching and self.sliding_window is None, "use set_filled"
+        filled = self.filled
+        bs = self.block_size
+        started = 0  # tokens that start a new block: a block more holds KV
+        for req_id in req_ids:
+            n = filled[req_id]
+            if n % bs == 0:
+                started += 1
+            filled[req_id] = n + 1
+        self._sum_filled += len(req_ids)
+        self._sum_holding += started
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
@@ -359,6 +426,7 @@ class BlockManager:
 
     def free(self, req_id: int) -> None:
         """Drop req_id's references; blocks nobody references return to the pool (or stay cached)."""
+        self._unaccount(req_id)
         table = self.tables.pop(req_id, None)
         self.filled.pop(req_id, None)
         self._chains.pop(req_id, None)
@@ -405,14 +473,9 @@ class BlockManager:
     # ---- accounting ----------------------------------------------------------
     def counters(self) -> KvCounters:
         bs = self.block_size
-        tokens = tail = reserve = 0
-        for req_id, table in self.tables.items():
-            dropped = self._dropped.get(req_id, 0) * bs  # tokens whose blocks were released
-            filled = max(0, min(self.filled.get(req_id, 0), dropped + len(table) * bs) - dropped)
-            holding = blocks_needed(filled, bs)
-            tokens += filled
-            tail += holding * bs - filled
-            reserve += (len(table) - holding) * bs
+        tokens = self._sum_filled
+        tail = self._sum_holding * bs - tokens
+        reserve = (self._sum_table - self._sum_holding) * bs
         return KvCounters(
             total=self.num_blocks,
             used=self.num_used,
@@ -440,6 +503,8 @@ class BlockManager:
         assert expected == self.ref_counts, "refcounts disagree with block tables"
         assert set(self._dropped) <= set(self.tables), "a released window outlives its request"
         assert self._num_shared == sum(1 for c in expected if c > 1), "shared-block count drifted"
+        sums = [sum(col) for col in zip(*(self._contribution(r) for r in self.tables))] or [0, 0, 0]
+        assert sums == [self._sum_filled, self._sum_holding, self._sum_table], "KV token counters drifted"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         cached = set(self._evictable)

@@ -49,6 +49,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+class _ParamsOf:
+    """req_id -> SamplingParams of the scheduler's requests, looked up only for the rows a runner samples."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self, requests: dict[int, Request]) -> None:
+        self._requests = requests
+
+    def __getitem__(self, req_id: int) -> SamplingParams:
+        return self._requests[req_id].params
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, sink: EventSink | None = None, snapshot_every: int = 200,
                  snapshot_interval_s: float = 2.0) -> None:
@@ -217,10 +229,10 @@ class LLMEngine:
         out = sched.schedule(t_start)
         if out.has_copies:
             self.swapper.apply(out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
-        params = {s.req_id: sched.requests[s.req_id].params for s in out.seqs}
-        sampled = self.runner.run(out, params)
+        sampled = self.runner.run(out, _ParamsOf(sched.requests))
         t_end = self.now()
-        sampled_reqs = [sched.requests[r] for r in sampled]
+        # for the step event; looked up before update() releases the finished ones
+        sampled_reqs = [sched.requests[r] for r in sampled] if self.sink is not None else []
         finished = aborted + sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
         self.num_preemptions += len(out.preempted)
         deltas = self.block_manager.drain_deltas()

@@ -1,8 +1,9 @@
 """Runs one packed forward per step over the paged KV cache. Computes; decides nothing.
 
 All scheduled tokens of all sequences go into one row of input ids (varlen
-packing, no padding). Static mode's padding rows are computed too, as a padded
-server would, over a scratch area of the cache that no request owns.
+packing, no padding; built by kvscope.engine.inputs). Static mode's padding rows
+are computed too, as a padded server would, over a scratch area of the cache that
+no request owns.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import torch
 
 from kvscope.engine import attention
 from kvscope.engine.block_manager import blocks_needed
+from kvscope.engine.inputs import InputBuilder
 from kvscope.engine.models import LoadedModel
 from kvscope.engine.sampler import Sampler
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler_output import SchedulerOutput
-from kvscope.kernels import AttentionMetadata, select_attention_ops
-
-PAD_TOKEN_ID = 0
+from kvscope.kernels import select_attention_ops
 
 
 class ModelRunner:
@@ -35,6 +35,7 @@ class ModelRunner:
             loaded.head_dim, dtype=dtype, device=device,
         )
         self.ops = select_attention_ops(device.type)
+        self.inputs = InputBuilder(block_size, num_blocks, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)
         attention.install(self.model)
@@ -44,56 +45,13 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return loaded.num_layers * 2 * block_size * loaded.num_kv_heads * loaded.head_dim * elem
 
-    def _build_inputs(self, out: SchedulerOutput):
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        bs = self.block_size
-        for seq in out.seqs:
-            n = len(seq.token_ids)
-            ids.extend(seq.token_ids)
-            for pos in range(seq.start_pos, seq.start_pos + n):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(seq.start_pos + n)
-            tables.append(seq.block_table)
-            if seq.sample:
-                sample_rows.append(qsl[-1] - 1)
-        scratch = list(range(self.num_blocks, self.num_blocks + self.num_scratch_blocks))
-        for n in out.pad_rows:
-            # Pad rows share the scratch blocks; what they compute is thrown away.
-            ids.extend([PAD_TOKEN_ID] * n)
-            positions.extend(range(n))
-            slots.extend(scratch[p // bs] * bs + p % bs for p in range(n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(n)
-            tables.append(scratch[: blocks_needed(n, bs)])
-        width = max((len(t) for t in tables), default=1)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            block_size=bs,
-            query_lens_host=[qsl[i + 1] - qsl[i] for i in range(len(seq_lens))],
-            seq_lens_host=seq_lens,
-        )
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)
-        return input_ids, position_ids, meta, sample_rows
-
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
-        input_ids, position_ids, meta, sample_rows = self._build_inputs(out)
-        keep = torch.tensor(sample_rows if sample_rows else [0], dtype=torch.long, device=self.device)
-        ctx = attention.ForwardContext(self.kv_cache, meta, self.ops)
+        inputs = self.inputs.build(out)
+        rows = inputs.sample_rows
+        keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+        ctx = attention.ForwardContext(self.kv_cache, inputs.meta, self.ops)
         with attention.forward_context(ctx):
-            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            return self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
                               logits_to_keep=keep).logits[0]
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:

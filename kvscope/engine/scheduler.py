@@ -46,6 +46,12 @@ from kvscope.protocol.events import (
 )
 
 
+def _decoding(req: Request) -> bool:
+    """req.is_decode, inline (read for every running request every step)."""
+    tokens = req.token_ids
+    return len(tokens) - req.num_computed_tokens == 1 and len(tokens) > len(req.prompt_token_ids)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  num_cpu_blocks: int = 0) -> None:
@@ -65,6 +71,11 @@ class Scheduler:
         self._finished_since_last: list[int] = []
         self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == "swap" else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
+        # Queue membership as id lists for the step event, rebuilt only when a queue changed
+        # (bumped on every change here; the length and ends also key it, as a safety net).
+        self._queues_version = 0
+        self._queue_ids_key: tuple | None = None
+        self._queue_ids: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
 
     # ---- queue management ----------------------------------------------------
     def add(self, request: Request) -> None:
@@ -72,6 +83,7 @@ class Scheduler:
         request.arrival_step = self.step_count + 1  # the first step that can serve it
         self.policy.on_arrival(request, request.arrival_step)
         self.waiting.append(request)
+        self._queues_version += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,6 +95,22 @@ class Scheduler:
     @property
     def swapped(self) -> list[Request]:
         return [r for r in self.waiting if r.status is RequestStatus.SWAPPED]
+
+    def queue_ids(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(running, waiting, preempted, swapped) request ids, in queue order; do not mutate them."""
+        running, waiting = self.running, self.waiting
+        key = (self._queues_version, len(running), len(waiting),
+               running[-1].req_id if running else None, waiting[0].req_id if waiting else None,
+               waiting[-1].req_id if waiting else None)
+        if key != self._queue_ids_key:
+            by_state: dict[RequestStatus, list[int]] = {
+                RequestStatus.WAITING: [], RequestStatus.PREEMPTED: [], RequestStatus.SWAPPED: []}
+            for r in waiting:
+                by_state[r.status].append(r.req_id)
+            self._queue_ids = ([r.req_id for r in running], by_state[RequestStatus.WAITING],
+                               by_state[RequestStatus.PREEMPTED], by_state[RequestStatus.SWAPPED])
+            self._queue_ids_key = key
+        return self._queue_ids
 
     def kv_counters(self) -> KvCounters:
         kv = self.bm.counters()
@@ -99,6 +127,7 @@ class Scheduler:
         if len(ordered) != len(self.waiting) or {r.req_id for r in ordered} != {r.req_id for r in self.waiting}:
             raise KvscopeError(f"policy {self.config.policy!r}: order() must return the same requests it was given")
         self.waiting = deque(ordered)
+        self._queues_version += 1
 
     def _pick(self, chosen: Request | None, what: str) -> Request | None:
         if chosen is not None and chosen not in self.running:
@@ -125,6 +154,7 @@ class Scheduler:
         self.bm.free(victim.req_id)
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
+        self._queues_version += 1
         self._reorder()
         out.preempted.append(victim.req_id)
         out.preemptions.append((victim.req_id, reason, mode))
@@ -132,6 +162,7 @@ class Scheduler:
 
     def _admit(self, request: Request, now: float) -> None:
         self.waiting.popleft()
+        self._queues_version += 1
         request.status = RequestStatus.RUNNING
         if request.first_scheduled is None:
             request.first_scheduled = now
@@ -181,7 +212,7 @@ class Scheduler:
         head = self.waiting[0]
         if len(self.running) >= self.max_num_seqs:
             reason = BLOCKED_SEQS
-        elif budget_left <= 0 or (self.mode != "chunked" and out.seqs and head.num_remaining > budget_left):
+        elif budget_left <= 0 or (self.mode != "chunked" and out.num_seqs and head.num_remaining > budget_left):
             reason = BLOCKED_BUDGET
         else:
             reason = BLOCKED_KV
@@ -221,7 +252,7 @@ class Scheduler:
             if whole_prompts:
                 n = left
                 # A prompt larger than the budget still runs when it is alone in the step.
-                if out.seqs and n > budget_left:
+                if out.num_seqs and n > budget_left:
                     break
             else:
                 n = min(left, budget_left)
@@ -266,29 +297,69 @@ class Scheduler:
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         self._admit_waiting(out, now, self.budget, whole_prompts=True)
-        if out.seqs:
+        if out.num_seqs:
             return  # a prefill step: running requests wait one iteration
-        for req in list(self.running):
+        # Every running request runs what it has left, in order: the leading decodes (usually all
+        # of them) on the fast path, then the rest one by one, keeping the order.
+        running = list(self.running)
+        lead = 0
+        while lead < len(running) and _decoding(running[lead]):
+            lead += 1
+        self._schedule_decodes(out, running[:lead], budget_left=lead + 1)
+        for req in running[lead:]:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if self._grow_or_preempt(req, req.num_computed_tokens + req.num_remaining, out):
                 self._schedule_tokens(out, req, req.num_remaining)
 
     def _schedule_chunked(self, out: SchedulerOutput, now: float) -> None:
-        budget_left = self.budget
-        # Decodes first, then the running prefills, then new admissions.
-        for want_decode in (True, False):
-            for req in list(self.running):
-                if budget_left <= 0:
-                    break
-                if req.status is not RequestStatus.RUNNING or req.is_decode != want_decode:
-                    continue
-                n = min(req.num_remaining, budget_left)
-                if self._grow_or_preempt(req, req.num_computed_tokens + n, out):
-                    self._schedule_tokens(out, req, n)
-                    budget_left -= n
-            budget_left = self.budget - out.num_tokens  # preemptions may have returned budget
+        # Decodes first, then the running prefills, then new admissions. A request's kind cannot
+        # change while the decodes are placed (only a preempted one changes, and it is skipped),
+        # so one pass sorts them.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for req in self.running:
+            (decodes if _decoding(req) else prefills).append(req)
+        self._schedule_decodes(out, decodes, self.budget)
+        budget_left = self.budget - out.num_tokens  # preemptions may have returned budget
+        for req in prefills:
+            if budget_left <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            n = min(req.num_remaining, budget_left)
+            if self._grow_or_preempt(req, req.num_computed_tokens + n, out):
+                self._schedule_tokens(out, req, n)
+                budget_left -= n
+        budget_left = self.budget - out.num_tokens
         self._admit_waiting(out, now, budget_left, whole_prompts=False)
+
+    def _schedule_decodes(self, out: SchedulerOutput, decodes: list[Request], budget_left: int) -> int:
+        """One token for each decoding request, in order, within the budget. The fast path: the block
+        manager is asked only by a request whose next token starts a new block."""
+        bs = self.bm.block_size
+        # the logical table; with a sliding window the held blocks start at the window, so ask for it
+        table_of = self.bm.table if self.bm.sliding_window is not None else self.bm.tables.get
+        running = RequestStatus.RUNNING
+        d = out.decodes  # out.add_decode, inline; a preemption below drops from these same lists
+        ids, positions, token_ids, block_tables = d.req_ids, d.positions, d.token_ids, d.block_tables
+        for req in decodes:
+            if budget_left <= 0:
+                break
+            if req.status is not running:
+                continue  # preempted earlier in this loop
+            start = req.num_computed_tokens
+            table = table_of(req.req_id)
+            if not table or start >= len(table) * bs:
+                if not self._grow_or_preempt(req, start + 1, out):
+                    continue
+                table = table_of(req.req_id)
+            ids.append(req.req_id)
+            positions.append(start)
+            token_ids.append(req.token_ids[start])
+            block_tables.append(table)
+            budget_left -= 1
+        return budget_left
 
     def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
         if not self.running:
@@ -327,30 +398,63 @@ class Scheduler:
     ) -> list[Request]:
         """Apply a step's results; returns requests that finished (and were released) this step."""
         finished: list[Request] = []
-        for seq in out.seqs:
-            req = self.requests[seq.req_id]
-            req.num_computed_tokens += len(seq.token_ids)
-            self.bm.set_filled(req.req_id, req.num_computed_tokens, req.token_ids)
+        requests = self.requests
+        set_filled = self.bm.set_filled
+        max_len = self.max_model_len
+        # Decodes first, as they ran: the fast path (one token each, always sampled).
+        decoded = out.decodes.req_ids
+        per_request = self.bm.enable_caching or self.bm.sliding_window is not None
+        if not per_request:
+            self.bm.add_one_filled(decoded)  # set_filled for each, in one call
+        for req_id in decoded:
+            req = requests[req_id]
+            computed = req.num_computed_tokens + 1
+            req.num_computed_tokens = computed
+            tokens = req.token_ids
+            if per_request:
+                set_filled(req_id, computed, tokens)
+            token = sampled[req_id]
+            tokens.append(token)  # req.append_token, inline
+            req.token_times.append(now)
+            params = req.params  # the common case, inline: no stop token, no limit reached
+            if ((params.ignore_eos or token not in eos_token_ids)
+                    and len(tokens) - len(req.prompt_token_ids) < params.max_tokens and len(tokens) < max_len):
+                continue
+            self._stop_if_done(req, token, now, eos_token_ids, finished)
+        for seq in out.other_seqs:
+            req = requests[seq.req_id]
+            computed = req.num_computed_tokens + len(seq.token_ids)
+            req.num_computed_tokens = computed
+            tokens = req.token_ids
+            set_filled(seq.req_id, computed, tokens)
             if seq.is_prefill:
                 req.num_prefill_chunks += 1
             if not seq.sample:
                 continue
-            token = sampled[req.req_id]
+            token = sampled[seq.req_id]
             req.append_token(token, now)
-            reason = self._stop_reason(req, token, eos_token_ids)
-            if reason is None:
+            params = req.params
+            if ((params.ignore_eos or token not in eos_token_ids)
+                    and len(tokens) - len(req.prompt_token_ids) < params.max_tokens and len(tokens) < max_len):
                 continue
-            req.finish_reason = reason
-            if self.mode == "static":
-                req.done_generating = True
-            else:
-                self._release(req, now)
-                finished.append(req)
+            self._stop_if_done(req, token, now, eos_token_ids, finished)
         if self.mode == "static" and self.running and all(r.done_generating for r in self.running):
             for req in list(self.running):
                 self._release(req, now)
                 finished.append(req)
         return finished
+
+    def _stop_if_done(self, req: Request, token: int, now: float, eos_token_ids: frozenset[int],
+                      finished: list[Request]) -> None:
+        reason = self._stop_reason(req, token, eos_token_ids)
+        if reason is None:
+            return
+        req.finish_reason = reason
+        if self.mode == "static":
+            req.done_generating = True  # the row keeps its slot until the batch ends
+        else:
+            self._release(req, now)
+            finished.append(req)
 
     def _stop_reason(self, req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
         if not req.params.ignore_eos and token in eos_token_ids:
@@ -374,6 +478,7 @@ class Scheduler:
             self.waiting.remove(req)
             if req.status is RequestStatus.SWAPPED:
                 self.swap_pool.drop(req_id)
+        self._queues_version += 1
         req.finish_reason = reason
         self.bm.free(req.req_id)
         req.status = RequestStatus.FINISHED
@@ -384,6 +489,7 @@ class Scheduler:
 
     def _release(self, req: Request, now: float) -> None:
         self.running.remove(req)
+        self._queues_version += 1
         self.bm.free(req.req_id)
         req.status = RequestStatus.FINISHED
         req.finish_time = now

@@ -1,4 +1,11 @@
-"""The plain data the scheduler hands the model runner each step (vLLM V1's boundary)."""
+"""The plain data the scheduler hands the model runner each step (vLLM V1's boundary).
+
+Most of a step's sequences are usually one-token decodes, so those travel as columns
+(`DecodeBatch`) instead of one object each: building, reading and packing a few hundred
+objects per step is most of the host time between two forwards. `SchedulerOutput.seqs`
+still lists every sequence as a ScheduledSeq (decodes first), built on first use, for
+code that wants one record per sequence.
+"""
 
 from __future__ import annotations
 
@@ -17,36 +24,114 @@ class ScheduledSeq:
     is_prefill: bool
 
 
-@dataclass
+@dataclass(slots=True)
+class DecodeBatch:
+    """One-token decodes, column by column: each samples its next token.
+
+    The block tables are the block manager's own lists, valid for this step (nothing changes
+    them between schedule() and the end of the forward); copy one to keep it.
+    """
+
+    req_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # position of the token computed
+    token_ids: list[int] = field(default_factory=list)  # the token computed (the last one sampled)
+    block_tables: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def drop(self, req_id: int) -> bool:
+        if req_id not in self.req_ids:
+            return False
+        i = self.req_ids.index(req_id)
+        for column in (self.req_ids, self.positions, self.token_ids, self.block_tables):
+            del column[i]
+        return True
+
+
+@dataclass(init=False)
 class SchedulerOutput:
     step: int
     budget: int
-    seqs: list[ScheduledSeq] = field(default_factory=list)
+    decodes: DecodeBatch  # run before other_seqs
+    other_seqs: list[ScheduledSeq]  # prefill chunks, and static mode's rows
     # static mode: rows computed only as padding (a prompt padded to the longest, or a finished row)
-    pad_rows: list[int] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    admitted: list[int] = field(default_factory=list)
-    finished_req_ids: list[int] = field(default_factory=list)  # released since the previous step
-    admission: Admission = field(default_factory=lambda: Admission(VERDICT_IDLE))
+    pad_rows: list[int]
+    preempted: list[int]
+    admitted: list[int]
+    finished_req_ids: list[int]  # released since the previous step
+    admission: Admission
     # (req, reason, mode) for each entry of `preempted`; mode "recompute" or "swap"
-    preemptions: list[tuple[int, str, str]] = field(default_factory=list)
+    preemptions: list[tuple[int, str, str]]
     # block copies to apply before the forward, in this order (vLLM-style lists):
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    hits: list[tuple[int, int, int]] = field(default_factory=list)  # (req, cached tokens, blocks) at admission
-    swaps: list[tuple[int, str, int]] = field(default_factory=list)  # (req, "out"/"in", blocks)
+    blocks_to_swap_out: list[tuple[int, int]]  # (gpu, cpu)
+    blocks_to_copy: list[tuple[int, int]]  # (src, dst) copy-on-write
+    blocks_to_swap_in: list[tuple[int, int]]  # (cpu, gpu)
+    hits: list[tuple[int, int, int]]  # (req, cached tokens, blocks) at admission
+    swaps: list[tuple[int, str, int]]  # (req, "out"/"in", blocks)
+
+    def __init__(self, step: int, budget: int, seqs: list[ScheduledSeq] | None = None,
+                 pad_rows: list[int] | None = None, finished_req_ids: list[int] | None = None) -> None:
+        self.step = step
+        self.budget = budget
+        self.decodes = DecodeBatch()
+        self.other_seqs = []
+        self.pad_rows = [] if pad_rows is None else pad_rows
+        self.preempted = []
+        self.admitted = []
+        self.finished_req_ids = [] if finished_req_ids is None else finished_req_ids
+        self.admission = Admission(VERDICT_IDLE)
+        self.preemptions = []
+        self.blocks_to_swap_out = []
+        self.blocks_to_copy = []
+        self.blocks_to_swap_in = []
+        self.hits = []
+        self.swaps = []
+        self._num_tokens = 0  # of other_seqs, kept by add() and drop(): read at every admission
+        self._seqs: list[ScheduledSeq] | None = None
+        for seq in seqs or ():
+            self.add(seq)
 
     def add(self, seq: ScheduledSeq) -> None:
-        self.seqs.append(seq)
+        self.other_seqs.append(seq)
+        self._num_tokens += len(seq.token_ids)
+        self._seqs = None
+
+    def add_decode(self, req_id: int, position: int, token_id: int, block_table: list[int]) -> None:
+        """A one-token decode (decodes run before the other sequences, whenever they are added)."""
+        d = self.decodes
+        d.req_ids.append(req_id)
+        d.positions.append(position)
+        d.token_ids.append(token_id)
+        d.block_tables.append(block_table)
+        self._seqs = None
 
     def drop(self, req_id: int) -> None:
         """Unschedule a request preempted later in the same step."""
-        self.seqs = [s for s in self.seqs if s.req_id != req_id]
+        self.decodes.drop(req_id)
+        kept = [s for s in self.other_seqs if s.req_id != req_id]
+        if len(kept) != len(self.other_seqs):
+            self.other_seqs = kept
+            self._num_tokens = sum(len(s.token_ids) for s in kept)
+        self._seqs = None
+
+    @property
+    def seqs(self) -> list[ScheduledSeq]:
+        """Every scheduled sequence, decodes first (built on first use; do not mutate)."""
+        if self._seqs is None:
+            d = self.decodes
+            self._seqs = [ScheduledSeq(r, [t], p, table, True, False)
+                          for r, p, t, table in zip(d.req_ids, d.positions, d.token_ids, d.block_tables)]
+            self._seqs += self.other_seqs
+        return self._seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.other_seqs)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return len(self.decodes.req_ids) + self._num_tokens
 
     @property
     def num_padding_tokens(self) -> int:
@@ -58,4 +143,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.pad_rows
+        return not self.decodes.req_ids and not self.other_seqs and not self.pad_rows

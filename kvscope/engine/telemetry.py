@@ -47,21 +47,20 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
             first_tokens.append(FirstToken(req.req_id, times[0] - req.arrival))
         else:
             itl.append(ItlSample(req.req_id, times[-1] - times[-2]))
-    waiting = [r.req_id for r in sched.waiting if r.status is RequestStatus.WAITING]
-    preempted = [r.req_id for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
-    swapped = [r.req_id for r in sched.waiting if r.status is RequestStatus.SWAPPED]
+    running, waiting, preempted, swapped = sched.queue_ids()  # cached between queue changes: copy
     return StepEvent(
         step=out.step,
         t=t_start,
         dur=t_end - t_start,
         budget=out.budget,
-        batch=[BatchEntry(s.req_id, PREFILL if s.is_prefill else DECODE, len(s.token_ids), s.start_pos)
-               for s in out.seqs],
+        batch=[BatchEntry(r, DECODE, 1, p) for r, p in zip(out.decodes.req_ids, out.decodes.positions)]
+        + [BatchEntry(s.req_id, PREFILL if s.is_prefill else DECODE, len(s.token_ids), s.start_pos)
+           for s in out.other_seqs],
         padding=out.num_padding_tokens,
-        running=[r.req_id for r in sched.running],
-        waiting=waiting,
-        preempted=preempted,
-        swapped=swapped,
+        running=list(running),
+        waiting=list(waiting),
+        preempted=list(preempted),
+        swapped=list(swapped),
         admission=out.admission,
         preemptions=[Preemption(r, reason, mode) for r, reason, mode in out.preemptions],
         alloc=[BlockAlloc(b, r) for b, r in deltas.alloc],

@@ -27,12 +27,24 @@ class SimRunner:
 
     @staticmethod
     def shape(out: SchedulerOutput) -> StepShape:
-        s = StepShape()
-        for seq in out.seqs:
-            s.add(len(seq.token_ids), seq.start_pos, seq.sample)
+        # StepShape.add, summed inline: this runs over every scheduled sequence every step
+        d = out.decodes
+        positions = sum(d.positions)
+        tokens = sampled = len(d)
+        kv_tokens = pairs = positions + len(d)  # one token at position p: p + 1 keys, p + 1 pairs
+        for seq in out.other_seqs:
+            n = len(seq.token_ids)
+            start = seq.start_pos
+            tokens += n
+            sampled += seq.sample
+            kv_tokens += start + n
+            pairs += n * start + n * (n + 1) // 2
         for n in out.pad_rows:
-            s.add(n, 0, False)
-        return s
+            tokens += n
+            kv_tokens += n
+            pairs += n * (n + 1) // 2
+        return StepShape(tokens=tokens, sampled=sampled, kv_tokens=kv_tokens, pairs=pairs,
+                         seqs=out.num_seqs + len(out.pad_rows))
 
     def token(self, req_id: int, pos: int) -> int:
         t = (req_id * 1_000_003 + pos * 7_919 + 12_345) % (self.vocab_size - 1)
@@ -48,5 +60,14 @@ class SimRunner:
         self.steps += 1
         self.busy_s += dt
         self.clock.advance(dt)
-        return {s.req_id: self.token(s.req_id, s.start_pos + len(s.token_ids))
-                for s in out.seqs if s.sample}
+        # self.token(), inline
+        mod, eos = self.vocab_size - 1, self.eos_token_id
+        sampled = {}
+        for r, p in zip(out.decodes.req_ids, out.decodes.positions):
+            t = (r * 1_000_003 + (p + 1) * 7_919 + 12_345) % mod
+            sampled[r] = t if t < eos else t + 1
+        for s in out.other_seqs:
+            if s.sample:
+                t = (s.req_id * 1_000_003 + (s.start_pos + len(s.token_ids)) * 7_919 + 12_345) % mod
+                sampled[s.req_id] = t if t < eos else t + 1
+        return sampled

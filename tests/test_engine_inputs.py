@@ -1,0 +1,63 @@
+"""The vectorized step inputs equal the per-token loop they replace, tensor for tensor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvscope.engine.inputs import InputBuilder
+from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+NUM_BLOCKS = 64
+
+
+def random_step(rng: random.Random, block_size: int, pad: bool) -> SchedulerOutput:
+    out = SchedulerOutput(step=1, budget=10_000)
+    for req in range(rng.randint(1, 12)):
+        start = rng.choice([0, rng.randint(0, 300)])
+        n = rng.choice([1, 1, rng.randint(1, 200)])
+        blocks = -(-(start + n) // block_size) + rng.randint(0, 2)  # a table may run past the tokens
+        table = [rng.randrange(NUM_BLOCKS) for _ in range(blocks)]
+        if n == 1 and rng.random() < 0.5 and not out.other_seqs:
+            out.add_decode(req, start, rng.randrange(1000), table)  # the scheduler's decode columns
+        else:
+            out.add(ScheduledSeq(req, [rng.randrange(1000) for _ in range(n)], start, table,
+                                 sample=rng.random() < 0.7, is_prefill=n > 1))
+    if pad:
+        out.pad_rows.extend(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))
+    return out
+
+
+def assert_same(a, b) -> None:
+    for name in ("input_ids", "position_ids"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        x, y = getattr(a.meta, name), getattr(b.meta, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    assert a.meta.query_lens_host == b.meta.query_lens_host
+    assert a.meta.seq_lens_host == b.meta.seq_lens_host
+    assert a.meta.block_size == b.meta.block_size
+    assert a.sample_rows == b.sample_rows
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("pad", [False, True])
+def test_vectorized_inputs_equal_the_per_token_loop(block_size, pad):
+    rng = random.Random(f"inputs/{block_size}/{pad}")
+    builder = InputBuilder(block_size, NUM_BLOCKS, num_scratch_blocks=40 if pad else 0, device=torch.device("cpu"))
+    for _ in range(25):
+        out = random_step(rng, block_size, pad)
+        assert_same(builder.build(out), builder.build_reference(out))
+
+
+def test_padding_rows_alone_use_the_scratch_blocks():
+    builder = InputBuilder(4, NUM_BLOCKS, num_scratch_blocks=3, device=torch.device("cpu"))
+    out = SchedulerOutput(step=1, budget=64, pad_rows=[6, 2])
+    got = builder.build(out)
+    assert_same(got, builder.build_reference(out))
+    assert got.meta.slot_mapping.tolist() == [256, 257, 258, 259, 260, 261, 256, 257]
+    assert got.meta.block_tables.tolist() == [[64, 65], [64, 0]]
+    assert got.sample_rows == []

@@ -1,0 +1,35 @@
+"""The scheduler's fast paths keep the schedule: every step equals the records taken at 71b425a.
+
+tests/fakes/schedule_records.py runs seeded workloads (every mode; FCFS, SJF and priority;
+recompute and swap preemption; prefix caching with copy-on-write; max_model_len stops; a wide
+decode batch) through the sim backend; the fixture holds each step's batch and a digest of the
+rest of its step event as recorded on commit 71b425a, before the host-overhead work.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+
+from fakes.schedule_records import CASES, run_case
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fakes", "schedules_71b425a.json.gz")
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    with gzip.open(FIXTURE, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name,settings,spec", CASES, ids=[c[0] for c in CASES])
+def test_every_step_matches_the_schedule_recorded_before_the_fast_paths(recorded, name, settings, spec):
+    want = recorded[name]
+    got = run_case(settings, spec)
+    assert len(got) == len(want), f"{name}: {len(got)} steps, recorded {len(want)}"
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert g[0] == w[0], f"{name}: step {step} batch differs: {g[0]} != {w[0]}"
+        assert g[1] == w[1], f"{name}: step {step} queues, deltas, counters or finishes differ"
