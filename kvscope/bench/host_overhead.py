@@ -12,7 +12,8 @@ decode steps that follow the prefills all run N requests. The figure is the medi
 time per step over those steps (process time, so other processes on a shared machine
 count less); the mean over every step of the run is reported too.
 
-The second table times input building alone, the vectorized builder against the
+Result files: bench/results/host-overhead.json and .txt (`kvscope bench --host-overhead --json
+bench/results/host-overhead.json`). The second table times input building alone, the vectorized builder against the
 per-token loop it replaced, on 256 decodes and on one 8,192-token chunked step.
 """
 
