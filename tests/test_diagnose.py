@@ -25,7 +25,8 @@ UP, DOWN = "up", "down"
 
 # name: (engine settings, workload, requests, verdict, top flag, its direction or target value)
 SCENARIOS = {
-    "kv": (dict(model="llama-3.3-70b-fp8", gpu="h100-sxm5"), "mixed", 120, "kv_capacity", "--kv-cache-dtype", "fp8"),
+    "kv": (dict(model="llama-3.3-70b-fp8", gpu="h100-sxm5"), "mixed", 120, "kv_capacity", "--gpu-memory-utilization",
+           UP),
     "seqs": (dict(model="llama-3.1-8b", gpu="h100-sxm5", max_num_seqs=4), "chat", 60, "max_num_seqs",
              "--max-num-seqs", UP),
     "budget": (dict(model="llama-3.1-8b", gpu="h100-sxm5", max_num_batched_tokens=32), "long", 24, "token_budget",
@@ -207,3 +208,51 @@ def test_diagnose_without_what_if_loads_no_engine_or_torch(tmp_path):
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout
+
+
+def _tiny_events(n: int, prompt_len: int, max_tokens: int, **settings) -> list:
+    """A tiny-model run on the CPU: n requests arriving at once."""
+    from kvscope import workload as wl
+    from kvscope.analysis.cli import _ListSink
+    from kvscope.serve.driver import ServeOptions, Server
+
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", cpu_threads=1, **settings))
+    sink = _ListSink()
+    engine.attach(sink)
+    items = [wl.WorkloadRequest(arrival=0.0, prompt=[(i * 7 + k) % 200 + 1 for k in range(prompt_len)],
+                                max_tokens=max_tokens) for i in range(n)]
+    Server(engine, ServeOptions(verbose_rejects=False)).run(items)
+    engine.close()
+    return sink.events
+
+
+def test_tiny_model_max_num_seqs_with_calibrated_what_if():
+    d = diagnose_events(_tiny_events(10, 24, 8, max_num_seqs=2), what_if=True)
+    assert d.backend == "model" and d.bottleneck == "max_num_seqs", format_text(d)
+    top = d.knobs[0]
+    assert top.flag == "--max-num-seqs" and top.to > top.from_ == 2
+    w = d.what_if
+    assert w.ran and w.calibrated and "calibrated the sim" in w.note and w.calibration["model"] == "tiny"
+    assert top.predicted is not None and top.predicted.ttft_p99_s < top.baseline.ttft_p99_s
+
+
+def test_tiny_model_kv_capacity():
+    d = diagnose_events(_tiny_events(6, 24, 12, num_blocks=6), what_if=False)
+    assert d.bottleneck == "kv_capacity", format_text(d)
+    top = d.knobs[0]
+    assert top.flag == "--num-blocks" and top.to > top.from_ == 6
+
+
+def test_hand_set_pool_gets_num_blocks_not_memory_utilization():
+    events = _events(dict(model="llama-3.3-70b-fp8", gpu="h100-sxm5", num_blocks=600), "mixed", 80)
+    assert diagnose_events(events, what_if=False).knobs[0].flag == "--gpu-memory-utilization"
+    d = diagnose_events(events, what_if=True)  # the what-if sizes the pool and sees it was set by hand
+    top = d.knobs[0]
+    assert d.bottleneck == "kv_capacity" and top.flag == "--num-blocks" and top.from_ == 600 and top.to > 600
+    assert top.predicted.preemptions < top.baseline.preemptions
+
+
+def test_tiny_model_naive_mode():
+    d = diagnose_events(_tiny_events(6, 16, 6, mode="naive"), what_if=False)
+    assert d.bottleneck == "batching_mode", format_text(d)
+    assert d.knobs[0].flag == "--mode" and d.knobs[0].to == "chunked"

@@ -130,5 +130,12 @@ def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True
     return d
 
 
+def _plain(obj: Any) -> Any:
+    item = getattr(obj, "item", None)  # a numpy scalar that slipped into a figure
+    if item is None:
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+    return item()
+
+
 def to_json(d: Diagnosis) -> bytes:
-    return msgspec.json.format(msgspec.json.encode(d), indent=2)
+    return msgspec.json.format(msgspec.json.encode(d, enc_hook=_plain), indent=2)

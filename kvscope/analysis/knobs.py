@@ -54,12 +54,12 @@ def _knob(flag: str, frm, to, why: str) -> Knob:
 def _kv_knobs(cfg: dict, s: Signals) -> list[Knob]:
     out = []
     sim = cfg.get("backend") == "sim"
-    kv_dtype = str(cfg.get("kv_cache_dtype") or "")
-    if sim and kv_dtype in WIDE_KV_DTYPES:
-        out.append(_knob("--kv-cache-dtype", kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
     gmu = cfg.get("gpu_memory_utilization")
     if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_HIGH:
         out.append(_knob("--gpu-memory-utilization", gmu, GMU_HIGH, "more of the GPU's memory for KV blocks"))
+    kv_dtype = str(cfg.get("kv_cache_dtype") or "")
+    if sim and kv_dtype in WIDE_KV_DTYPES:
+        out.append(_knob("--kv-cache-dtype", kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
     blocks = cfg.get("num_blocks")
     if not is_gpu(cfg) and isinstance(blocks, int):
         out.insert(0, _knob("--num-blocks", blocks, 2 * blocks, "twice the KV blocks: fewer preemptions and "
@@ -118,7 +118,8 @@ def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tu
         return [_knob("--gpu-memory-utilization", gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
                       "unused, so every other figure is measured on a starved KV pool")], refusals
     knobs = candidates(verdict, cfg, s)
-    for r in secondary if verdict != V.UNDERLOADED else ():  # underloaded: nothing to tune
+    # underloaded: nothing to tune; compute_bound: the scheduler knobs are exhausted (the runners-up show it)
+    for r in secondary if verdict not in (V.UNDERLOADED, V.COMPUTE_BOUND) else ():
         if r.score >= 0.5:
             knobs += candidates(r.bottleneck, cfg, s)[:1]
     seen: set[str] = set()

@@ -60,6 +60,26 @@ def apply_knob(settings: dict, knob: Knob) -> dict:
     return new
 
 
+def _pool_set_by_hand(knobs: list[Knob], settings: dict) -> None:
+    """A sim trace whose pool is not what its memory settings give had --num-blocks set by hand, which
+    overrides --gpu-memory-utilization: turn that knob into --num-blocks with the blocks it would add."""
+    if settings.get("backend") != "sim" or not settings.get("num_blocks"):
+        return
+    for i, k in enumerate(knobs):
+        if k.flag != "--gpu-memory-utilization":
+            continue
+        try:
+            auto = _auto_blocks(settings)
+            if auto == settings["num_blocks"]:
+                return
+            more = apply_knob(settings, k)["num_blocks"]
+        except ValueError:  # sizing failed (e.g. the model does not fit): keep the knob as it is
+            return
+        if more > settings["num_blocks"]:
+            knobs[i] = Knob(flag="--num-blocks", from_=settings["num_blocks"], to=more,
+                            why=f"the pool was set by hand (--num-blocks); {k.why}, as {k.flag} {k.to} would give")
+
+
 def _calibrate(tr: TraceRequests, config: dict, steps: list) -> tuple[dict, dict]:
     from kvscope.analysis import calibrate as C
     from kvscope.engine.sim import catalog
@@ -68,9 +88,10 @@ def _calibrate(tr: TraceRequests, config: dict, steps: list) -> tuple[dict, dict
     gpu, model = C.resolve_names(config, None, None)
     data = C.TraceData(config, steps, list(tr.requests.values()))
     f = C.fit(data, CostModel(catalog.gpu(gpu), catalog.model(model)))
-    settings = sim_settings(config, backend_model=model, gpu=gpu, efficiency=f.efficiency.to_dict())
-    info = {"gpu": gpu, "model": model, "efficiency": f.efficiency.to_dict(), "steps": f.steps_used,
-            "mean_abs_rel_err": f.mean_abs_rel, "r2": f.r2}
+    eff = {k: float(v) for k, v in f.efficiency.to_dict().items()}
+    settings = sim_settings(config, backend_model=model, gpu=gpu, efficiency=eff)
+    info = {"gpu": gpu, "model": model, "efficiency": eff, "steps": int(f.steps_used),
+            "mean_abs_rel_err": float(f.mean_abs_rel), "r2": float(f.r2)}
     return settings, info
 
 
@@ -103,6 +124,7 @@ def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int
     except KvscopeError as e:
         return WhatIf(ran=False, note=f"the sim cannot run this trace's settings: {e}")
     steps, wall = base.steps, base.wall_s
+    _pool_set_by_hand(knobs, settings)
     for k in knobs:
         k.baseline = base.figures
         try:

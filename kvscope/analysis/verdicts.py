@@ -41,7 +41,9 @@ OVERTAKEN_MIN = 0.05  # >= 5% of requests passed by a later arrival
 WAIT_RATIO_MIN = 3.0  # and those wait >= 3x longer (p99) than the rest
 FULL_TOKENS = 0.70  # steps are full: >= 70% of the token budget on average,
 FULL_RUNNING = 0.50  # or the batch >= half of max_num_seqs,
-FULL_KV = 0.80  # or the KV pool >= 80% used on average
+FULL_KV = 0.80  # or the KV pool >= 80% used on average,
+BACKLOG_MIN = 0.20  # with requests waiting in >= 20% of busy steps (demand above capacity),
+FULL_TOKENS_ALONE = 0.90  # unless the steps carry >= 90% of the budget on average
 
 
 class Evidence(msgspec.Struct, kw_only=True):
@@ -178,6 +180,7 @@ def saturation(s: Signals) -> Ruling:
     """No rule fired: compute_bound when the steps are full (the step time is then the roofline's, as the
     sim's cost model or a calibration prices it), else underloaded."""
     full = s.tokens_fill >= FULL_TOKENS or s.running_mean >= FULL_RUNNING or s.kv_use_mean >= FULL_KV
+    saturated = (full and s.queued_frac >= BACKLOG_MIN) or s.tokens_fill >= FULL_TOKENS_ALONE
     evidence = [
         _ev("tokens_fill", round(s.tokens_fill, 3), ">=", FULL_TOKENS,
             f"steps carry {_pct(s.tokens_fill)} of the token budget on average (threshold {_pct(FULL_TOKENS)})"),
@@ -185,13 +188,14 @@ def saturation(s: Signals) -> Ruling:
             f"batch holds {_pct(s.running_mean)} of max_num_seqs on average (threshold {_pct(FULL_RUNNING)})"),
         _ev("kv_use_mean", round(s.kv_use_mean, 3), ">=", FULL_KV,
             f"KV pool {_pct(s.kv_use_mean)} used on average (threshold {_pct(FULL_KV)})"),
-        _ev("queued_frac", round(s.queued_frac, 3), "<", BLOCKED_BUDGET_MIN,
-            f"requests waiting in {_pct(s.queued_frac)} of busy steps, and no admission rule fired"),
+        _ev("queued_frac", round(s.queued_frac, 3), ">=", BACKLOG_MIN,
+            f"requests waiting in {_pct(s.queued_frac)} of busy steps (threshold {_pct(BACKLOG_MIN)}),"
+            " and no admission rule fired"),
     ]
-    if full:
+    if saturated:
         evidence.append(_ev("fixed_share", s.fixed_share, "<", FIXED_SHARE_MIN,
-                            f"fixed cost is {'-' if s.fixed_share is None else _pct(s.fixed_share)} of a full step:"
-                            " its time is the work in it"))
+                            f"fixed cost is {'-' if s.fixed_share is None else _pct(s.fixed_share)} of a full step"
+                            f" (under {_pct(FIXED_SHARE_MIN)}): its time is the work in it"))
         return Ruling(bottleneck=COMPUTE_BOUND, score=1.0, evidence=evidence)
     return Ruling(bottleneck=UNDERLOADED, score=1.0, evidence=evidence)
 

@@ -87,8 +87,8 @@ class TraceRequests:
         for r in ordered:
             max_tokens = r.max_tokens
             done = self.outputs.get(r.req)
-            if done is not None and done[1] == "stop" and done[0] >= 1:
-                max_tokens = done[0]  # a model run stopped at EOS: the sim generates exactly that many
+            if done is not None and done[1] in ("stop", "abort") and done[0] >= 1:
+                max_tokens = done[0]  # stopped at EOS or aborted: the sim generates exactly that many
             out.append(ReplayRequest(r.req, r.arrival, max(1, r.prompt_len), max(1, max_tokens), r.priority,
                                      min(self.hits.get(r.req, 0), r.prompt_len - 1)))
         return _give_prefix_to_donor(out)

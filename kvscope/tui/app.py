@@ -16,9 +16,11 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from kvscope.analysis.signals import StepLog
 from kvscope.tui.palette import CB, DEFAULT, get_palette
 from kvscope.tui.screens import (
     DashboardScreen,
+    DiagnosisScreen,
     HelpScreen,
     LiveDashboard,
     ReplayDashboard,
@@ -38,6 +40,7 @@ from kvscope.tui.state import (
 from kvscope.tui.widgets import QueueTable
 
 MAX_FPS = 30.0
+DIAGNOSIS_WINDOW = 2000  # steps the diagnosis panel judges
 
 
 class KvscopeApp(App):
@@ -69,6 +72,7 @@ class KvscopeApp(App):
         self.replay: ReplayController | None = source if isinstance(source, ReplayController) else None
         self.pal = get_palette(palette)
         self.state = new_state(conn=getattr(source, "connection", "replay"))
+        self.diagnosis_log = StepLog(window=DIAGNOSIS_WINDOW)  # the `d` panel's sliding window of steps
         self.selected: int | None = None
         self.address = address
         self.fps = min(MAX_FPS, max(1.0, fps))
@@ -99,8 +103,10 @@ class KvscopeApp(App):
         src = self.source
         events = src.poll()
         st = self.state
+        log = self.diagnosis_log
         for ev in events:
             st = reduce(st, ev)
+            log.add(ev)
         self.state = st
         self.events_applied += len(events)
         take = getattr(src, "take_local_dropped", None)
@@ -169,6 +175,10 @@ class KvscopeApp(App):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    def action_diagnose(self) -> None:
+        if not isinstance(self.screen, DiagnosisScreen):
+            self.push_screen(DiagnosisScreen())
+
     def action_toggle_palette(self) -> None:
         self.pal = DEFAULT if self.pal is CB else CB
         self.redraw(force=True)
@@ -210,6 +220,8 @@ class KvscopeApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help", "Keys, glyphs and rules", self.action_help)
+        yield SystemCommand("Diagnose", "The bottleneck of the recent steps, and the knobs to turn",
+                            self.action_diagnose)
         yield SystemCommand("Toggle colour-blind palette", "Okabe-Ito colours on/off", self.action_toggle_palette)
         yield SystemCommand("Reset histograms", "Clear TTFT/ITL histograms and step history", self.action_reset_stats)
         if self.mode == "live":

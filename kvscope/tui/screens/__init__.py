@@ -1,8 +1,9 @@
-"""Screens: the dashboard (live and replay), request detail, help, seek prompt."""
+"""Screens: the dashboard (live and replay), request detail, diagnosis, help, seek prompt."""
 
 from kvscope.tui.screens.dashboard import DashboardScreen, LiveDashboard, ReplayDashboard
 from kvscope.tui.screens.detail import RequestDetailScreen
+from kvscope.tui.screens.diagnosis import DiagnosisScreen
 from kvscope.tui.screens.help import HelpScreen
 from kvscope.tui.screens.seek import SeekScreen
 
-__all__ = ["DashboardScreen", "LiveDashboard", "ReplayDashboard", "RequestDetailScreen", "HelpScreen", "SeekScreen"]
+__all__ = ["DashboardScreen", "LiveDashboard", "ReplayDashboard", "RequestDetailScreen", "DiagnosisScreen", "HelpScreen", "SeekScreen"]

@@ -17,6 +17,7 @@ class DashboardScreen(Screen):
     BINDINGS = [
         Binding("tab", "app.focus_next", "Next queue", show=False),
         Binding("shift+tab", "app.focus_previous", "Prev queue", show=False),
+        Binding("d", "app.diagnose", "Diagnose", show=False),
     ]
 
     def compose(self) -> ComposeResult:

@@ -1,0 +1,70 @@
+"""The diagnosis panel (key `d`): the bottleneck of the last steps seen, refreshed as events arrive.
+
+It judges the app's ``diagnosis_log`` (a sliding-window ``StepLog`` the app feeds with
+every event it reduces), so it reads the event stream only and never runs the sim.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from kvscope.analysis.diagnose import Diagnosis, NoSteps, judge
+
+REFRESH_S = 0.5  # judging a 2,000-step window takes milliseconds; twice a second is plenty
+
+
+def render(d: Diagnosis) -> Text:
+    t = Text()
+    t.append(f"bottleneck: {d.bottleneck}", style="bold")
+    t.append(f"   score {d.score:g}   over the last {d.steps:,} steps\n\n")
+    for e in d.evidence:
+        t.append(f"  • {e.text}\n")
+    if d.secondary:
+        t.append("\nsecondary\n", style="bold")
+        for i, r in enumerate(d.secondary, 1):
+            t.append(f"  {i}. {r.bottleneck} ({r.score:g}): {r.evidence}\n")
+    t.append("\nknobs\n", style="bold")
+    if not d.knobs:
+        t.append("  none: nothing for the scheduler to change\n")
+    for i, k in enumerate(d.knobs, 1):
+        t.append(f"  {i}. {k.flag} {k.from_} → {k.to}", style="bold")
+        t.append(f"  {k.why}\n")
+    for r in d.refusals:
+        t.append(f"\n  refused: {r}\n", style="italic")
+    t.append(f"\nmeasure next: {d.measure_next}\n")
+    for x in d.cannot_judge:
+        t.append(f"\n  could not judge: {x}", style="dim")
+    t.append("\n\nkvscope diagnose TRACE checks each knob in the sim (what-if)", style="dim")
+    return t
+
+
+class DiagnosisScreen(ModalScreen):
+    BINDINGS = [Binding("escape,d,q", "app.pop_screen", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="diagnosis-box"):
+            yield Static("", id="diagnosis-body")
+
+    def on_mount(self) -> None:
+        self.query_one("#diagnosis-box").border_title = "DIAGNOSIS (d)"
+        self.refresh_diagnosis()
+        self.set_interval(REFRESH_S, self.refresh_diagnosis, name="kvscope-diagnosis")
+
+    def diagnosis(self) -> Diagnosis | None:
+        log = getattr(self.app, "diagnosis_log", None)
+        if log is None:
+            return None
+        try:
+            return judge(log, source="live")
+        except NoSteps:
+            return None
+
+    def refresh_diagnosis(self) -> None:
+        d = self.diagnosis()
+        body = self.query_one("#diagnosis-body", Static)
+        body.update(render(d) if d is not None else Text("no steps yet: waiting for the engine to run"))
