@@ -1,105 +1,296 @@
-"""The `kvscope` command: serve, bench, tui, replay, demo, record, trace-info.
+"""The `kvscope` command: serve, bench, bench-features, tui, replay, demo, record, calibrate, trace-info.
 
-Heavy imports happen inside each command, so `kvscope replay` never loads torch.
-User mistakes end in one line on stderr and exit status 2, never a traceback.
+This is the only module that uses argparse. The engine flags are built from
+EngineConfig's fields (help and choices live in their metadata), so each setting and
+its default are defined once. Heavy imports happen inside each command, so
+`kvscope replay` never loads torch.
+
+Errors: a user's mistake (KvscopeError, ProtocolError, OSError, a ZeroMQ error, a
+number too large) ends in one line on stderr and exit status 2; anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
+from typing import Any, Callable, get_args
+
+from kvscope.engine.config import CONFIG_FIELDS, MODES, EngineConfig
+from kvscope.engine.errors import KvscopeError
 
 EXIT_USAGE = 2
 
 
-class UsageError(Exception):
-    """A one-line problem with what the user asked for."""
+class UsageError(KvscopeError):
+    """A one-line problem with what the user asked for on the command line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is one --help away)."""
+
+    def error(self, message: str):
+        first = message.splitlines()[0] if message else "bad arguments"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {first} (see {self.prog} --help)\n")
+
+
+# ---- argument types: one-line errors, sizes as numbers like 1e9 -----------------------------
+def _int_type(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+            if not math.isfinite(f) or f != int(f):
+                raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+            value = int(f)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            span = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{text} is outside {span}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float_type(lo: float | None = None, hi: float | None = None, *, positive: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+        if (positive and value <= 0) or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _comma_list(choices: tuple[str, ...] | None = None) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown name {bad[0]!r} (choose from {', '.join(choices)})")
+        return items
+
+    parse.__name__ = "list"
+    return parse
+
+
+# ---- engine flags, from EngineConfig ----------------------------------------------------------
+def _field_type(f: dataclasses.Field) -> type:
+    """int, float, str, bool or dict from a field's annotation (``int | None`` is int)."""
+    names = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    for part in str(text).replace(" ", "").split("|"):
+        if part in names:
+            return names[part]
+    args = [a for a in get_args(f.type) if a is not type(None)]
+    return args[0] if args else str
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is None:
+        return ""
+    if isinstance(f.default, bool):
+        return f" (default: {'on' if f.default else 'off'})"
+    return f" (default: {f.default})"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b-shape, or a local checkpoint directory")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    g.add_argument("--mode", default="chunked", help="naive, static, continuous or chunked (default: chunked)")
-    g.add_argument("--policy", default="fcfs",
-                   help="fcfs, sjf, priority, or module:Class for your own (docs/POLICIES.md; default: fcfs)")
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="share KV blocks of common prompt prefixes (default: off)")
-    g.add_argument("--preemption", default="recompute", choices=["recompute", "swap"],
-                   help="what a preempted request loses: recompute its KV, or swap it to CPU (default: recompute)")
-    g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
-                   help="CPU memory for swapped-out KV, in GiB (default: 4)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--cpu-threads", type=int, default=None, help="torch threads on CPU (default: half the cores)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of GPU memory for weights, activations and KV (default: 0.9)")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    s = p.add_argument_group("sim backend (docs/SIM.md); --model then names a catalog shape, e.g. llama-3.3-70b-fp8")
-    s.add_argument("--backend", default="model", choices=["model", "sim"],
-                   help="model: run the network; sim: a cost model of --gpu on a virtual clock (default: model)")
-    s.add_argument("--gpu", default=None, help="sim: h100-sxm5, h200, a100-80gb, l4 or cpu (default: h100-sxm5)")
-    s.add_argument("--tp", type=int, default=None, help="sim: tensor-parallel degree (default: 1)")
-    s.add_argument("--kv-cache-dtype", default=None, help="sim: auto, bf16, fp16, fp8 or fp32 (default: auto)")
-    s.add_argument("--sim-efficiency", metavar="FILE", default=None,
-                   help="sim: efficiencies and overhead from `kvscope calibrate --json FILE`")
-    s.add_argument("--sim-pace", type=float, default=None, metavar="X",
-                   help="sim: hold virtual time to X x wall time (1: real time, for a live dashboard)")
+    """One flag per EngineConfig field. Every default is None, so the config's own defaults apply and
+    a preset can tell which flags were given."""
+    from kvscope.engine.sim.catalog import GPUS
+
+    groups = {"engine": p.add_argument_group("engine"),
+              "sim": p.add_argument_group("sim backend (docs/SIM.md); --model then names a catalog shape, "
+                                          "e.g. llama-3.3-70b-fp8")}
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        kw: dict[str, Any] = {"default": None, "help": meta["help"] + _default_text(f)}
+        choices = meta.get("choices")
+        if f.name == "gpu":
+            choices = tuple(GPUS)
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind is dict:
+            kw["metavar"] = meta.get("metavar") or "FILE"
+        elif choices and "module:Class" in choices:
+            kw["metavar"] = "{" + ",".join(choices) + "}"
+        elif choices:
+            kw["choices"] = choices
+        elif kind is int:
+            kw["type"] = _int_type()
+        elif kind is float:
+            kw["type"] = _float_type()
+        if meta.get("metavar") and "choices" not in kw and kind is not bool:
+            kw["metavar"] = meta["metavar"]
+        groups[meta.get("group", "engine")].add_argument(flag, **kw)
 
 
-def _engine_config(args: argparse.Namespace, **overrides):
-    from kvscope.engine.config import EngineConfig
-
-    settings = dict(model=args.model, device=args.device, dtype=args.dtype, mode=args.mode, policy=args.policy,
-                    block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    seed=args.seed, cpu_threads=args.cpu_threads)
-    settings.update(prefix_caching=args.prefix_caching, preemption=args.preemption, swap_space=args.swap_space)
-    settings.update(gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
-    settings.update(_sim_settings(args))
-    settings.update(overrides)
-    return EngineConfig(**settings)
-
-
-def _sim_settings(args: argparse.Namespace) -> dict:
-    settings = {"backend": getattr(args, "backend", "model")}
-    for key in ("gpu", "tp", "kv_cache_dtype", "sim_pace"):
-        if getattr(args, key, None) is not None:
-            settings[key] = getattr(args, key)
-    if getattr(args, "sim_efficiency", None):
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given on the command line (a FILE flag already read)."""
+    settings = {k: getattr(args, k) for k in CONFIG_FIELDS if getattr(args, k, None) is not None}
+    if isinstance(settings.get("sim_efficiency"), str):
         from kvscope.engine.sim.backend import load_efficiency
 
-        settings["sim_efficiency"] = load_efficiency(args.sim_efficiency)
+        settings["sim_efficiency"] = load_efficiency(settings["sim_efficiency"])
     return settings
 
 
+def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    config = EngineConfig(**{**_engine_settings(args), **overrides})
+    config.validate()  # one line before anything is loaded or allocated
+    return config
+
+
 def _workload_args(p: argparse.ArgumentParser, default: str) -> None:
+    from kvscope.workload import MAX_REQUESTS
+
     p.add_argument("--workload", default=default, help=f"preset name or JSON spec file (default: {default})")
-    p.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
+    p.add_argument("--num-requests", type=_int_type(1, MAX_REQUESTS), default=None,
+                   help="override the workload's request count")
+
+
+# ---- checks made before a run ---------------------------------------------------------------
+def _check_output_path(path: str | None) -> None:
+    """A file we will write at the end of a run: fail now, not after the run."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: it is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"cannot write {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"cannot write {path}: permission denied")
+
+
+def _check_address(addr: str, *, bind: bool, allow_remote: bool = False) -> None:
+    """The address's syntax (and, to bind, that it is loopback unless allowed) as one line."""
+    from kvscope.protocol.transport import check_bind_address
+
+    try:
+        check_bind_address(addr, allow_remote or not bind)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    if addr.startswith("ipc://"):
+        path = addr[len("ipc://"):]
+        parent = os.path.dirname(os.path.abspath(path))
+        if bind and not os.path.isdir(parent):
+            raise UsageError(f"cannot bind {addr}: no directory {parent}")
+
+
+def _zmq_errors() -> tuple[type[BaseException], ...]:
+    zmq = sys.modules.get("zmq")
+    return (zmq.ZMQError,) if zmq is not None else ()
+
+
+def _open_socket(what: str, addr: str, make: Callable[[], Any]):
+    try:
+        return make()
+    except _zmq_errors() as e:
+        raise UsageError(f"cannot {what} {addr}: {e}") from None
+
+
+def _write_json(path: str, data: dict) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+    print(f"wrote {path}", file=sys.stderr)
 
 
 # ---- serve -----------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.metrics import summary_table
-    from kvscope.serve.driver import ServeOptions, Server
     from kvscope.workload import load_spec
 
     load_spec(args.workload)  # fail on a bad workload before loading the model
+    _check_output_path(args.json)
+    _check_output_path(args.record)
+    if args.events and args.control and args.events == args.control:
+        raise UsageError(f"--events and --control must be different addresses (both {args.events})")
+    for addr in (args.events, args.control):
+        if addr:
+            _check_address(addr, bind=True, allow_remote=args.allow_remote)
     front = _front_end_check(args)
-    engine = LLMEngine(_engine_config(args))
+    config = _engine_config(args)
+    publisher, control = _open_sockets(args)  # bind before the model loads: a port in use fails fast
+    try:
+        return _serve(args, config, publisher, control, front)
+    finally:
+        if publisher is not None:
+            publisher.close()
+        if control is not None:
+            control.close()
+
+
+def _open_sockets(args):
+    publisher = control = None
+    if args.events:
+        from kvscope.protocol.transport import ZmqPublisher
+
+        publisher = _open_socket("bind", args.events, lambda: ZmqPublisher(args.events, allow_remote=args.allow_remote))
+    if args.control:
+        from kvscope.protocol.transport import ControlServer
+        from kvscope.workload import PRESETS
+
+        try:
+            control = _open_socket("bind", args.control, lambda: ControlServer(
+                args.control, allow_remote=args.allow_remote, workloads=PRESETS))
+        except BaseException:
+            if publisher is not None:
+                publisher.close()
+            raise
+    return publisher, control
+
+
+def _serve(args, config: EngineConfig, publisher, control, front) -> int:
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.metrics import summary_table
+    from kvscope.serve.driver import ServeOptions, Server
+
+    engine = LLMEngine(config)
     front = front(engine) if front else None
-    sinks, control = _open_outputs(args, engine, extra_sinks=[front.sink] if front else [])
+    sinks = ([front.sink] if front else []) + ([publisher] if publisher is not None else [])
+    if args.record:
+        from kvscope.traces.writer import TraceWriter
+
+        sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
+    if getattr(args, "kv_events_vllm", None):
+        from kvscope.adapters.vllm_publisher import VllmKvPublisher
+
+        if not engine.config.prefix_caching:
+            print("kvscope: note: --kv-events-vllm without --prefix-caching publishes no blocks", file=sys.stderr)
+        vllm_publisher = _open_socket("bind", args.kv_events_vllm, lambda: VllmKvPublisher(
+            args.kv_events_vllm, args.kv_replay_vllm, block_size=engine.config.block_size,
+            encoding=args.kv_events_vllm_encoding, allow_remote=args.allow_remote))
+        engine.block_manager.cache_events = vllm_publisher
+        sinks.append(vllm_publisher)
+    if sinks:
+        from kvscope.protocol.sinks import FanOut
+
+        engine.attach(sinks[0] if len(sinks) == 1 else FanOut(sinks))
     # with the HTTP API the engine serves until stopped; synthetic traffic only with --forever
     http_only = front is not None and front.http_address is not None and not args.forever
-    options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=args.seed,
-                           forever=args.forever or http_only, burst_every_s=args.burst_every)
+    options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=engine.config.seed,
+                           forever=args.forever or http_only, burst_every_s=args.burst_every,
+                           max_waiting=args.max_waiting)
     progress = _progress_bar(args, options, engine)
     reason = "drained"
     original_handlers = _stop_on_sigterm()
@@ -120,9 +311,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             front.close()
         engine.close(reason)
         for sink in sinks:
-            sink.close()
-        if control is not None:
-            control.close()
+            if sink is not publisher:  # cmd_serve closes the publisher, which it opened
+                sink.close()
         _restore_signals(original_handlers)
     print(summary_table(summary))
     if args.json:
@@ -172,39 +362,6 @@ def _restore_signals(handlers: dict) -> None:
         signal.signal(sig, handler)
 
 
-def _open_outputs(args, engine, extra_sinks=()):
-    """Event publisher, trace recorder and control socket, as asked for on the command line."""
-    sinks = list(extra_sinks)
-    control = None
-    if args.events:
-        from kvscope.protocol.transport import ZmqPublisher
-
-        sinks.append(ZmqPublisher(args.events, allow_remote=args.allow_remote))
-    if args.record:
-        from kvscope.traces.writer import TraceWriter
-
-        sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
-    if getattr(args, "kv_events_vllm", None):
-        from kvscope.adapters.vllm_publisher import VllmKvPublisher
-
-        if not engine.config.prefix_caching:
-            print("kvscope: note: --kv-events-vllm without --prefix-caching publishes no blocks", file=sys.stderr)
-        publisher = VllmKvPublisher(args.kv_events_vllm, args.kv_replay_vllm, block_size=engine.config.block_size,
-                                    encoding=args.kv_events_vllm_encoding, allow_remote=args.allow_remote)
-        engine.block_manager.cache_events = publisher
-        sinks.append(publisher)
-    if args.control:
-        from kvscope.workload import PRESETS
-        from kvscope.protocol.transport import ControlServer
-
-        control = ControlServer(args.control, allow_remote=args.allow_remote, workloads=PRESETS)
-    if sinks:
-        from kvscope.protocol.sinks import FanOut
-
-        engine.attach(sinks[0] if len(sinks) == 1 else FanOut(sinks))
-    return sinks, control
-
-
 def _progress_bar(args, options, engine):
     if args.no_progress:
         return None
@@ -216,19 +373,9 @@ def _progress_bar(args, options, engine):
     return tqdm(total=total, desc=f"{engine.config.mode}", unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
-def _write_json(path: str, data: dict) -> None:
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-    except OSError as e:
-        raise UsageError(f"cannot write {path}: {e.strerror}") from None
-    print(f"wrote {path}", file=sys.stderr)
-
-
 # ---- bench ------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvscope.bench.modes import BenchOptions, print_table, run_bench
+    from kvscope.workload import load_spec
 
     if args.host_overhead:
         from kvscope.bench.host_overhead import cmd_host_overhead
@@ -240,20 +387,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvscope.bench.anchors import cmd_bench_anchors
 
         return cmd_bench_anchors(args, _write_json)
+    _check_output_path(args.json)
+    if not args.preset:
+        load_spec(args.workload)
     if args.backend == "sim" or args.preset:
         from kvscope.bench.sim import cmd_bench_sim
 
-        return cmd_bench_sim(args, None if args.preset else _engine_config(args), _write_json)
+        config = None if args.preset else _engine_config(args)
+        args.modes = ",".join(args.modes)
+        return cmd_bench_sim(args, config, _write_json)
 
-    options = BenchOptions(
-        workload=args.workload, num_requests=args.num_requests, modes=args.modes.split(","),
-        peers=[p for p in args.peers.split(",") if p], events=args.events_overhead,
-    )
+    from kvscope.bench.modes import BenchOptions, print_table, run_bench
+    from kvscope.bench.peers import PEERS
+
+    bad = [p for p in args.peers if p not in PEERS]
+    if bad:
+        raise UsageError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEERS)})")
+    options = BenchOptions(workload=args.workload, num_requests=args.num_requests, modes=args.modes,
+                           peers=args.peers, events=args.events_overhead)
     result = run_bench(_engine_config(args), options)
     print_table(result)
     if args.json:
         _write_json(args.json, result)
     return 0
+
+
+def cmd_bench_features(args: argparse.Namespace) -> int:
+    from kvscope.bench import features
+
+    _check_output_path(args.json)
+    args.experiments = ",".join(args.experiments)
+    return features.main(args)
 
 
 # ---- watchers ---------------------------------------------------------------------------
@@ -287,8 +451,12 @@ def cmd_tui(args: argparse.Namespace) -> int:
         return 0
     from kvscope.tui.launch import run_live
 
-    run_live(connects[0] if connects else DEFAULT_EVENTS_ADDR, controls[0] if controls else DEFAULT_CONTROL_ADDR,
-             palette=args.palette)
+    connect = connects[0] if connects else DEFAULT_EVENTS_ADDR
+    control = controls[0] if controls else DEFAULT_CONTROL_ADDR
+    _check_address(connect, bind=False)
+    if control:
+        _check_address(control, bind=False)
+    _open_socket("connect to", connect, lambda: run_live(connect, control, palette=args.palette))
     return 0
 
 
@@ -300,7 +468,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvscope.tui.launch import run_demo
+    from kvscope.tui.demo import run_demo
 
     run_demo(palette=args.palette, device=args.device, sim_gpu=args.gpu if args.sim else None)
     return 0
@@ -309,6 +477,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvscope.analysis.calibrate import calibrate, format_report
 
+    _check_output_path(args.json)
     result = calibrate(args.file, gpu=args.gpu, model=args.sim_model, fit_per_seq=not args.no_per_seq,
                        validate_paths=args.validate)
     print(format_report(result))
@@ -326,14 +495,19 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_trace_info(args: argparse.Namespace) -> int:
     from kvscope.traces.info import trace_info
 
-    print(trace_info(args.file))
+    print(trace_info(args.file, verify=not args.fast))
     return 0
 
 
 def cmd_record(args: argparse.Namespace) -> int:
     from kvscope.traces.record import record
 
-    record(args.connect, args.file, stop_after_s=args.duration, control_addr=args.control)
+    _check_output_path(args.file)
+    _check_address(args.connect, bind=False)
+    if args.control:
+        _check_address(args.control, bind=False)
+    _open_socket("connect to", args.connect,
+                 lambda: record(args.connect, args.file, stop_after_s=args.duration, control_addr=args.control))
     return 0
 
 
@@ -349,17 +523,23 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvscope.engine.sim.catalog import GPUS
     from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
+    from kvscope.serve.options import DEFAULT_MAX_WAITING
 
-    parser = argparse.ArgumentParser(prog="kvscope", description="A small, real LLM inference engine whose "
-                                     "scheduler you can watch.")
+    parser = Parser(prog="kvscope", description="A small, real LLM inference engine whose scheduler you can watch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    palettes = ("default", "cb")
 
     p = sub.add_parser("serve", help="run the engine over a workload")
     _engine_args(p)
     _workload_args(p, "mixed")
     p.add_argument("--forever", action="store_true", help="keep generating requests until stopped")
-    p.add_argument("--burst-every", type=float, default=None, metavar="S", help="with --forever: a burst every S s")
+    p.add_argument("--burst-every", type=_float_type(positive=True), default=None, metavar="S",
+                   help="with --forever: a burst every S s")
+    p.add_argument("--max-waiting", type=_int_type(1, 1 << 20), default=DEFAULT_MAX_WAITING, metavar="N",
+                   help="refuse new requests while N are waiting; a control burst past it is answered "
+                        f"'refused' (default: {DEFAULT_MAX_WAITING})")
     p.add_argument("--events", metavar="ADDR", help=f"publish events (e.g. {DEFAULT_EVENTS_ADDR})")
     p.add_argument("--control", metavar="ADDR", help=f"accept control requests (e.g. {DEFAULT_CONTROL_ADDR})")
     p.add_argument("--allow-remote", action="store_true", help="allow binding to non-loopback addresses")
@@ -375,60 +555,73 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI API, e.g. 127.0.0.1:8000 (synthetic "
                    "traffic then runs only with --forever)")
     h.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for (default: --model)")
-    h.add_argument("--metrics-port", type=int, metavar="N", help="also serve /metrics alone on port N")
+    h.add_argument("--metrics-port", type=_int_type(1, 65535), metavar="N", help="also serve /metrics alone on port N")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="compare the four modes and transformers on one workload")
     _engine_args(p)
     _workload_args(p, "mixed")
-    p.add_argument("--modes", default="naive,static,continuous,chunked")
-    p.add_argument("--peers", default="hf-static,hf-generate-batch", help="comma list; empty for none")
+    p.add_argument("--modes", type=_comma_list(MODES), default=list(MODES),
+                   help=f"comma list of {', '.join(MODES)} (default: all)")
+    p.add_argument("--peers", type=_comma_list(), default=["hf-static", "hf-generate-batch"],
+                   help="comma list of hf-static, hf-generate-batch; empty for none (default: both)")
     p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
     p.add_argument("--host-overhead", action="store_true",
                    help="host time per step at 64, 256 and 1,024 running, with no compute")
-    p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation (bench/presets/)")
+    p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation, or a .json file")
     p.add_argument("--anchors", nargs="?", const=True, default=None, metavar="FILE",
                    help="sim vs published runs of real engines (default bench/anchors.json)")
     p.add_argument("--fit", action="store_true", help="with --anchors: refit the sim's default efficiencies")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.set_defaults(func=cmd_bench)
 
-    for name, func, helptext in (("tui", cmd_tui, "watch a live engine"), ("demo", cmd_demo, "engine + dashboard")):
-        p = sub.add_parser(name, help=helptext)
-        if name == "tui":
-            p.add_argument("--connect", action="append", metavar="ADDR",
-                           help=f"an engine's events (default {DEFAULT_EVENTS_ADDR}); repeat for an overview")
-            p.add_argument("--control", action="append", metavar="ADDR",
-                           help=f"its control socket (default {DEFAULT_CONTROL_ADDR}); once per --connect")
-            p.add_argument("--vllm", action="append", metavar="URL",
-                           help="a vLLM server: poll URL/metrics (docs/VLLM.md); repeat for an overview")
-            p.add_argument("--kv-events", action="append", metavar="ADDR",
-                           help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557; once per --vllm")
-            p.add_argument("--kv-replay", action="append", metavar="ADDR",
-                           help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
-            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="--vllm: seconds between scrapes")
-        else:
-            p.add_argument("--device", default="auto")
-            p.add_argument("--sim", action="store_true",
-                           help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
-            p.add_argument("--gpu", default="h100-sxm5", help="with --sim: the GPU to simulate")
-        p.add_argument("--palette", default="default", choices=["default", "cb"], help="cb: colour-blind safe")
-        p.set_defaults(func=func)
+    from kvscope.bench.features import EXPERIMENTS
 
-    from kvscope.bench import features as bench_features
+    p = sub.add_parser("bench-features", help="prefix caching on/off, priority vs fcfs, swap vs recompute")
+    p.add_argument("--experiments", type=_comma_list(EXPERIMENTS), default=list(EXPERIMENTS),
+                   help=f"comma list of {', '.join(EXPERIMENTS)} (default: all)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--scale", type=_float_type(positive=True, hi=1000.0), default=1.0,
+                   help="multiply request counts (default: 1)")
+    p.add_argument("--seed", type=_int_type(0), default=0)
+    p.add_argument("--json", metavar="FILE", help="write results as JSON")
+    p.set_defaults(func=cmd_bench_features)
 
-    bench_features.add_parser(sub)
+    p = sub.add_parser("tui", help="watch a live engine")
+    p.add_argument("--connect", action="append", metavar="ADDR",
+                   help=f"an engine's events (default {DEFAULT_EVENTS_ADDR}); repeat for an overview")
+    p.add_argument("--control", action="append", metavar="ADDR",
+                   help=f"its control socket (default {DEFAULT_CONTROL_ADDR}); once per --connect")
+    p.add_argument("--vllm", action="append", metavar="URL",
+                   help="a vLLM server: poll URL/metrics (docs/VLLM.md); repeat for an overview")
+    p.add_argument("--kv-events", action="append", metavar="ADDR",
+                   help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557; once per --vllm")
+    p.add_argument("--kv-replay", action="append", metavar="ADDR",
+                   help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
+    p.add_argument("--interval", type=_float_type(positive=True), default=1.0, metavar="S",
+                   help="--vllm: seconds between scrapes")
+    p.add_argument("--palette", default="default", choices=palettes, help="cb: colour-blind safe")
+    p.set_defaults(func=cmd_tui)
+
+    p = sub.add_parser("demo", help="engine + dashboard")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--sim", action="store_true", help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
+    p.add_argument("--gpu", default="h100-sxm5", choices=tuple(GPUS), help="with --sim: the GPU to simulate")
+    p.add_argument("--palette", default="default", choices=palettes, help="cb: colour-blind safe")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("replay", help="replay a recorded .kvtrace file")
     p.add_argument("file")
-    p.add_argument("--palette", default="default", choices=["default", "cb"])
+    p.add_argument("--palette", default="default", choices=palettes)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("record", help="record a live engine's events into a .kvtrace file")
     p.add_argument("file")
     p.add_argument("--connect", default=DEFAULT_EVENTS_ADDR, metavar="ADDR")
     p.add_argument("--control", default=DEFAULT_CONTROL_ADDR, metavar="ADDR")
-    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=_float_type(positive=True), default=None, metavar="S",
+                   help="stop after S seconds")
     p.set_defaults(func=cmd_record)
 
     p = sub.add_parser("calibrate", help="fit the sim's efficiencies and overhead to a recorded trace")
@@ -448,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diagnose", help="name the bottleneck of a trace (or of a sim config) and the knobs to turn")
     p.add_argument("file", nargs="?", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
     p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
-    p.add_argument("--window", type=int, default=None, metavar="N", help="judge only the last N steps")
+    p.add_argument("--window", type=_int_type(1), default=None, metavar="N", help="judge only the last N steps")
     p.add_argument("--no-what-if", action="store_true", help="skip re-running the requests in the sim")
     _engine_args(p)
     _workload_args(p, "mixed")
@@ -461,27 +654,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", metavar="OUT.csv", help="one row per scheduler step")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("trace-info", help="describe a .kvtrace file")
+    p = sub.add_parser("trace-info", help="describe a .kvtrace file and check every chunk")
     p.add_argument("file")
+    p.add_argument("--fast", action="store_true", help="trust the index: read no chunk (no checksum check)")
     p.set_defaults(func=cmd_trace_info)
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first if len(first) <= 400 else first[:397] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, its line already printed)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     from kvscope.protocol.codec import ProtocolError
 
-    user_errors: tuple[type[BaseException], ...] = (UsageError, ProtocolError, ValueError, FileNotFoundError,
-                                                     IsADirectoryError, PermissionError)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except user_errors as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, OSError) and e.filename:
-            message = f"{e.strerror}: {e.filename}"
-        print(f"kvscope: error: {message}", file=sys.stderr)
+    except Exception as e:
+        # zmq is imported lazily, by the commands that need it: look its error up now
+        if not isinstance(e, (KvscopeError, ProtocolError, OSError, OverflowError, *_zmq_errors())):
+            raise  # a bug: it keeps its traceback
+        print(f"kvscope: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 

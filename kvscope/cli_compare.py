@@ -30,7 +30,7 @@ def add_parsers(sub, engine_args, workload_args) -> None:
     p = sub.add_parser("race", help="the same requests through several modes/policies, then compare them")
     engine_args(p)
     workload_args(p, "mixed")
-    p.add_argument("--preset", metavar="NAME", help="a sim bench preset, e.g. lesson (bench/presets/)")
+    p.add_argument("--preset", metavar="NAME", help="a sim bench preset, e.g. lesson (kvscope/bench/presets/)")
     p.add_argument("--modes", default=None, help="comma list (default: naive,static,continuous,chunked, "
                                                   "or the preset's)")
     p.add_argument("--policies", default=None, help="comma list of policies to race (default: --policy)")
@@ -100,12 +100,12 @@ def _race_inputs(args, engine_config):
 
     if args.preset:
         preset = load_preset(args.preset)
-        if "engine" not in preset or "workload" not in preset:
+        if preset.kind != "modes":
             raise _usage(f"preset {args.preset!r} has no engine and workload to race (try lesson)")
-        config = EngineConfig(**{**preset["engine"], **preset_overrides(args)})
-        spec = wl.parse_spec(preset["workload"])
+        config = EngineConfig(**{**preset.data.engine, **preset_overrides(args)})
+        spec = wl.parse_spec(preset.data.workload)
         items = sim_workload(config, spec, None, None)
-        return config, items, _device(config), spec.name, preset.get("modes"), config.backend == "sim"
+        return config, items, _device(config), spec.name, preset.data.modes, config.backend == "sim"
     config = engine_config(args)
     if config.backend == "sim":
         spec = wl.load_spec(args.workload)

@@ -33,12 +33,16 @@ def one_line_error(excinfo) -> str:
     (dict(preemption="drop"), "unknown preemption mode 'drop'"),
     (dict(swap_space=-1), "swap_space must be"),
     (dict(backend="magic"), "unknown backend"),
-    (dict(block_size=0), "block_size must be an integer >= 1"),
-    (dict(max_num_seqs=-3), "max_num_seqs must be an integer >= 1"),
-    (dict(max_num_batched_tokens="512"), "max_num_batched_tokens must be an integer >= 1"),
-    (dict(num_blocks=0), "num_blocks must be an integer >= 1"),
-    (dict(max_model_len=1), "max_model_len must be an integer >= 2"),
-    (dict(max_model_len=10**7), "exceeds the model's limit"),
+    (dict(block_size=0), "block_size must be an integer in [1, 1,024]"),
+    (dict(max_num_seqs=-3), "max_num_seqs must be an integer in [1,"),
+    (dict(max_num_batched_tokens="512"), "max_num_batched_tokens must be an integer in [1,"),
+    (dict(num_blocks=0), "num_blocks must be an integer in [1,"),
+    (dict(max_model_len=1), "max_model_len must be an integer in [2,"),
+    (dict(max_model_len=10**5), "exceeds the model's limit"),
+    (dict(num_blocks=10**12), "num_blocks must be an integer in [1, 2,097,152]"),
+    (dict(swap_space=float("inf")), "swap_space must be a number in [0, 1024] GiB"),
+    (dict(swap_space=1e6), "swap_space must be a number in [0, 1024] GiB"),
+    (dict(preemption="swap", swap_space=1000.0), "is more than this machine's memory"),
     (dict(device="tpu"), "unknown device 'tpu'"),
     (dict(dtype="int8"), "unknown dtype 'int8'"),
 ])
@@ -186,7 +190,7 @@ def test_text_prompt_for_a_model_without_tokenizer(models):
 
 
 @pytest.mark.parametrize("args, match", [(["--peers", "foo"], "unknown peer 'foo'"),
-                                         (["--modes", "chunked,fast"], "unknown mode 'fast'")])
+                                         (["--modes", "chunked,fast"], "unknown name 'fast'")])
 def test_bench_rejects_bad_row_names_before_running_anything(args, match, capsys):
     from kvscope.cli import main
 

@@ -46,7 +46,7 @@ class Recording:
 @pytest.mark.slow
 def test_live_engine_then_replay_equals_live(tmp_path):
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.launch import start_engine, stop_engine
+    from kvscope.tui.supervise import start_engine, stop_engine
     from kvscope.tui.sources import LiveSource, ReplayController, open_trace
 
     ev_addr = f"tcp://127.0.0.1:{free_port()}"
@@ -118,7 +118,8 @@ def test_live_engine_then_replay_equals_live(tmp_path):
 def test_late_join_engine_exit_and_restart(tmp_path):
     """Join a running engine late, see it go away, then a new engine on the same ports."""
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.launch import demo_command, start_engine, stop_engine
+    from kvscope.tui.demo import demo_command
+    from kvscope.tui.supervise import start_engine, stop_engine
     from kvscope.tui.sources import LiveSource
 
     ev_addr = f"tcp://127.0.0.1:{free_port()}"

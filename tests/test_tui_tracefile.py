@@ -92,7 +92,7 @@ def test_screenshots_cli(trace, tmp_path):
 
 
 def test_engine_child_is_stopped_without_orphans(tmp_path):
-    from kvscope.tui.launch import start_engine, stop_engine
+    from kvscope.tui.supervise import start_engine, stop_engine
 
     # A stand-in engine that ignores SIGTERM for a moment, then dies on SIGKILL at worst.
     code = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)));" \
@@ -106,7 +106,7 @@ def test_engine_child_is_stopped_without_orphans(tmp_path):
 
 
 def test_demo_command_line():
-    from kvscope.tui.launch import demo_command
+    from kvscope.tui.demo import demo_command
 
     cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", device="cpu")
     assert cmd[:4] == [sys.executable, "-m", "kvscope.cli", "serve"]
@@ -117,7 +117,7 @@ def test_demo_command_line():
 
 def test_sim_demo_command_is_a_valid_sim_serve():
     from kvscope.cli import _engine_config, build_parser
-    from kvscope.tui.launch import SIM_DEMO_MODEL, demo_command, sim_demo_args
+    from kvscope.tui.demo import SIM_DEMO_MODEL, demo_command, sim_demo_args
 
     cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", model=SIM_DEMO_MODEL, workload="mixed",
                        engine_args=sim_demo_args("h200"))

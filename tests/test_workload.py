@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvscope.engine.errors import KvscopeError
 from kvscope.workload import (
     PRESETS,
     ArrivalSpec,
@@ -217,7 +218,7 @@ def test_prompt_clip_and_reserved_ids():
 def test_bad_generate_args():
     for kw in (dict(vocab_size=4, reserved_ids=4), dict(vocab_size=10, max_prompt_len=0),
                dict(vocab_size=10, max_tokens_cap=0), dict(vocab_size=10, num_requests=-1)):
-        with pytest.raises(ValueError):
+        with pytest.raises(KvscopeError):
             generate(small_spec(), **kw)
 
 
@@ -309,9 +310,9 @@ def test_generate_forever_increasing_with_periodic_bursts():
 
 
 def test_generate_forever_errors_are_eager():
-    with pytest.raises(ValueError, match="arrival kind 'all'"):
+    with pytest.raises(KvscopeError, match="arrival kind 'all'"):
         generate_forever(small_spec(arrival=ArrivalSpec.all_at_once()), vocab_size=10)
-    with pytest.raises(ValueError, match="burst_every_s"):
+    with pytest.raises(KvscopeError, match="burst_every_s"):
         generate_forever(small_spec(), vocab_size=10, burst_every_s=0)
     # 'all' plus periodic bursts is a valid endless stream
     it = generate_forever(small_spec(arrival=ArrivalSpec.all_at_once()), vocab_size=10, burst_every_s=1.0,
@@ -325,13 +326,13 @@ def test_make_burst_and_long_prompt():
     assert all(t < 98 for r in b for t in r.prompt)
     assert b == make_burst("chat", 12, at=4.5, vocab_size=100, seed=2, reserved_ids=2, max_prompt_len=40)
     assert make_burst("chat", 0, at=0, vocab_size=10, seed=0) == []
-    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+    with pytest.raises(KvscopeError, match="unknown workload 'nope'"):
         make_burst("nope", 3, at=0, vocab_size=10, seed=0)
     r = make_long_prompt(3000, at=1.25, vocab_size=64, seed=3, max_tokens=10, reserved_ids=4)
     assert len(r.prompt) == 3000 and r.arrival == 1.25 and r.max_tokens == 10
     assert max(r.prompt) < 60 and r == make_long_prompt(3000, at=1.25, vocab_size=64, seed=3,
                                                         max_tokens=10, reserved_ids=4)
-    with pytest.raises(ValueError):
+    with pytest.raises(KvscopeError):
         make_long_prompt(0, at=0, vocab_size=10, seed=0)
 
 
@@ -417,41 +418,41 @@ BAD = [
 
 @pytest.mark.parametrize("path,value,needle", BAD, ids=[b[2] for b in BAD])
 def test_parse_errors_are_one_line_and_name_the_key(path, value, needle):
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(KvscopeError) as ei:
         parse_spec(_with(path, value))
     msg = str(ei.value)
     assert "\n" not in msg and needle in msg, msg
-    assert type(ei.value) is ValueError
+    assert isinstance(ei.value, KvscopeError) and not isinstance(ei.value, ValueError)
 
 
 def test_parse_rejects_non_dict():
-    with pytest.raises(ValueError, match="expected a JSON object"):
+    with pytest.raises(KvscopeError, match="expected a JSON object"):
         parse_spec([1, 2])
 
 
 def test_direct_construction_is_validated():
-    with pytest.raises(ValueError, match="lo=3 > hi=2"):
+    with pytest.raises(KvscopeError, match="lo=3 > hi=2"):
         LengthDist.uniform(3, 2)
-    with pytest.raises(ValueError, match="burst_size_max=1 is below"):
+    with pytest.raises(KvscopeError, match="burst_size_max=1 is below"):
         ArrivalSpec.burst(4, 1.0, size_max=1)
-    with pytest.raises(ValueError, match="not used by kind 'const'"):
+    with pytest.raises(KvscopeError, match="not used by kind 'const'"):
         LengthDist("const", value=3, lo=1)
 
 
 def test_load_spec_errors(tmp_path):
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(KvscopeError) as ei:
         load_spec("chatt")
     assert str(ei.value) == ("unknown workload 'chatt' (choose from chat, mixed, long, burst, "
                              "shared-prefix, demo or a .json file)")
-    with pytest.raises(ValueError, match="cannot read workload file"):
+    with pytest.raises(KvscopeError, match="cannot read workload file"):
         load_spec(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{\n  'a': 1,\n}")
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(KvscopeError) as ei:
         load_spec(str(bad))
     assert "invalid JSON" in str(ei.value) and "\n" not in str(ei.value)
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps(_with(("arrival", "kind"), "nope")))
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(KvscopeError) as ei:
         load_spec(str(wrong))
     assert "wrong.json" in str(ei.value) and "arrival.kind" in str(ei.value) and "\n" not in str(ei.value)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import CostModel, Efficiency, StepShape
 from kvscope.protocol.events import RequestEvent, StepEvent
@@ -70,18 +71,28 @@ def busy_periods(steps: list[StepEvent]) -> list[tuple[StepEvent, float]]:
     return out
 
 
+def _str_or_none(v) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _short(v) -> str:
+    """A value from a trace, for an error line: never longer than a line."""
+    text = repr(v) if isinstance(v, (str, int, float, type(None))) else f"<{type(v).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def resolve_names(config: dict, gpu: str | None, model: str | None) -> tuple[str, str]:
     if gpu is None:
         sim = config.get("backend") == "sim"
         gpu = (config.get("gpu") if sim else None) or ("cpu" if str(config.get("device", "")).startswith("cpu")
-                                                       else catalog.gpu_from_device_name(config.get("device_name")))
-        if gpu is None:
-            raise ValueError(f"the trace ran on {config.get('device')!r}; name its GPU with --gpu "
+                                                       else catalog.gpu_from_device_name(_str_or_none(config.get("device_name"))))
+        if not isinstance(gpu, str):
+            raise KvscopeError(f"the trace ran on {_short(config.get('device'))}; name its GPU with --gpu "
                              f"({', '.join(catalog.GPUS)})")
     if model is None:
         model = config.get("sim_model") or config.get("model", "")
-        if model not in catalog.MODELS and model not in catalog.ALIASES:
-            raise ValueError(f"model {model!r} is not in the sim catalog; name its shape with --sim-model "
+        if not isinstance(model, str) or (model not in catalog.MODELS and model not in catalog.ALIASES):
+            raise KvscopeError(f"model {_short(model)} is not in the sim catalog; name its shape with --sim-model "
                              f"({', '.join(catalog.MODELS)})")
     return gpu, model
 
@@ -134,7 +145,7 @@ def fit_terms(T: np.ndarray, y: np.ndarray, fit_per_seq: bool = True) -> tuple[E
     _, coef = at(log_r)
     u = coef[0]
     if u <= 0:
-        raise ValueError("the step times do not grow with the work in the steps; cannot fit efficiencies")
+        raise KvscopeError("the step times do not grow with the work in the steps; cannot fit efficiencies")
     eff = Efficiency(eff_bw=1 / u, eff_flops=1 / (u * math.exp(log_r)), overhead_s=float(coef[1]),
                      per_seq_s=float(coef[2]) if fit_per_seq else 0.0)
     pred = np.array([_predict(row, eff) for row in T])
@@ -150,7 +161,7 @@ def _predict(row, eff: Efficiency) -> float:
 def fit(data: TraceData, cost: CostModel, fit_per_seq: bool = True) -> Fit:
     pairs = busy_periods(data.steps)
     if len(pairs) < 8:
-        raise ValueError(f"the trace has only {len(pairs)} busy steps; calibration needs more")
+        raise KvscopeError(f"the trace has only {len(pairs)} busy steps; calibration needs more")
     rows = []
     for ev, _ in pairs:
         t = cost.terms(step_shape(ev))
@@ -229,10 +240,15 @@ def replay(data: TraceData, config, t_end: float) -> tuple[list[StepEvent], floa
         now = engine.now()
         while i < len(reqs) and reqs[i].arrival <= now:
             r = reqs[i]
-            prompt = [(r.req * 131 + k * 7) % vocab for k in range(r.prompt_len)]
-            engine.add_request(prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.priority,
-                               arrival=r.arrival)
             i += 1
+            if not 1 <= r.prompt_len < engine.max_model_len:  # checked before building the prompt
+                continue  # the sim engine could not serve it either (the trace's numbers are not trusted)
+            prompt = [(r.req * 131 + k * 7) % vocab for k in range(r.prompt_len)]
+            try:
+                engine.add_request(prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.priority,
+                                   arrival=r.arrival)
+            except RequestRejected:
+                continue
         if now >= t_end:
             break
         if engine.has_unfinished():

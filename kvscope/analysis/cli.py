@@ -40,8 +40,9 @@ def run_diagnose(args, engine_config, usage_error) -> int:
             from kvscope.workload import load_spec
 
             load_spec(args.workload)  # a bad workload fails before the run
-            events = run_config(engine_config(args), args.workload, args.num_requests, args.seed)
-            source = f"sim run of workload {args.workload} ({args.model} on {args.gpu or 'h100-sxm5'})"
+            config = engine_config(args)  # flags left out take the config's defaults
+            events = run_config(config, args.workload, args.num_requests, config.seed)
+            source = f"sim run of workload {args.workload} ({config.model} on {config.gpu})"
             d = diagnose_events(events, window=args.window, what_if=what_if, source=source)
         else:
             raise usage_error("give a trace file, or --backend sim with a config to run and diagnose")

@@ -2,39 +2,22 @@
 
 The rows have the same JSON shape as the model backend's bench (kvscope/bench/modes.py);
 the run is timed on the wall clock too, to report simulated steps per second.
-Presets live in bench/presets/<name>.json.
+Presets live in kvscope/bench/presets/<name>.json (kvscope/bench/preset.py checks them).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import platform
 import sys
 import time
 from dataclasses import replace
 from random import Random
 
+import msgspec
+
+from kvscope.bench.preset import load_preset
 from kvscope.engine.config import EngineConfig
-
-PRESET_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "presets")
-PRESETS = ("lesson", "fragmentation")
-
-
-def preset_path(name: str) -> str:
-    if os.path.isfile(name):
-        return name
-    path = os.path.normpath(os.path.join(PRESET_DIR, f"{name}.json"))
-    if not os.path.isfile(path):
-        raise ValueError(f"unknown bench preset {name!r} (choose from {', '.join(PRESETS)} or a .json file)")
-    return path
-
-
-def load_preset(name: str) -> dict:
-    with open(preset_path(name), encoding="utf-8") as f:
-        return json.load(f)
-
 
 # ---- the four modes on the sim -------------------------------------------------------------
 def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_prompt_len: int | None,
@@ -230,12 +213,12 @@ def cmd_bench_sim(args, engine_config, write_json) -> int:
     """`kvscope bench --backend sim ...` and `kvscope bench --preset NAME`."""
     from kvscope.bench.modes import print_table
 
-    if args.preset and os.path.splitext(os.path.basename(preset_path(args.preset)))[0] == "fragmentation":
-        result = run_fragmentation(load_preset(args.preset))
+    preset = load_preset(args.preset) if args.preset else None
+    if preset is not None and preset.kind == "fragmentation":
+        result = run_fragmentation(msgspec.to_builtins(preset.data))
         print_fragmentation(result)
-    elif args.preset:
-        preset = load_preset(args.preset)
-        result = run_lesson(preset, preset_overrides(args))
+    elif preset is not None:
+        result = run_lesson(msgspec.to_builtins(preset.data), preset_overrides(args))
         print_table(result)
         print_comparison(result)
         print_speed(result)
@@ -254,4 +237,9 @@ def cmd_bench_sim(args, engine_config, write_json) -> int:
 def preset_overrides(args) -> dict:
     """Sim flags given on the command line on top of a preset (their argparse defaults are None)."""
     keys = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if isinstance(overrides.get("sim_efficiency"), str):  # the flag names a file
+        from kvscope.engine.sim.backend import load_efficiency
+
+        overrides["sim_efficiency"] = load_efficiency(overrides["sim_efficiency"])
+    return overrides

@@ -1,8 +1,15 @@
-"""Engine settings, validated once at start-up with one-line errors."""
+"""Engine settings, validated once at start-up with one-line errors.
+
+Each field's metadata holds its command-line help (and, for enumerated settings,
+its choices): kvscope.cli builds the engine flags from these fields, so a setting
+and its default are defined here only.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvscope.engine.errors import KvscopeError
@@ -11,71 +18,103 @@ MODES = ("naive", "static", "continuous", "chunked")
 POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.md)
 PREEMPTION_MODES = ("recompute", "swap")
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
+
+# Caps on sizes a flag or a file can ask for, checked before anything is allocated.
+MAX_NUM_BLOCKS = 1 << 21  # the block manager keeps per-block lists: ~120 MB of bookkeeping at the cap
+MAX_SWAP_SPACE_GIB = 1024.0
+MAX_BLOCK_SIZE = 1024
+MAX_TOKENS_PER_STEP = 1 << 20  # max_num_batched_tokens, max_model_len
+MAX_NUM_SEQS = 1 << 16
+MAX_TP = 1024
+GiB = 1 << 30
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, group: str = "engine",
+            metavar: str | None = None) -> Any:
+    """A config field with its command-line help (group "sim": shown under the sim backend's flags)."""
+    meta = {"help": help, "group": group, "choices": choices, "metavar": metavar}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny"
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
-    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "float16", "bfloat16"
-    backend: str = "model"
-    mode: str = "chunked"
-    policy: str = "fcfs"
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from memory (see ModelRunner)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's limit, capped by the KV cache
-    seed: int = 0
-    prefix_caching: bool = False
-    preemption: str = "recompute"  # or "swap": victims' KV is copied to a CPU pool and back
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks (preemption="swap")
-    cpu_threads: int | None = None  # torch threads on CPU; None: half the cores, leaving room for watchers
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    model: str = setting("tiny", "tiny, qwen3-0.6b-shape, or a local checkpoint directory; "
+                                 "with --backend sim a catalog shape, e.g. llama-3.3-70b-fp8")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+                         choices=DTYPES)
+    backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
+                           choices=BACKENDS, group="sim")
+    mode: str = setting("chunked", "batching mode", choices=MODES)
+    policy: str = setting("fcfs", "scheduling policy, or module:Class for your own (docs/POLICIES.md; "
+                                  "command line only, never from a file)", choices=POLICIES + ("module:Class",))
+    block_size: int = setting(16, "tokens per KV block")
+    num_blocks: int | None = setting(None, "KV blocks (default: sized from memory)")
+    max_num_seqs: int = setting(64, "most requests running at once")
+    max_num_batched_tokens: int = setting(512, "token budget per step")
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's, capped by the KV cache)")
+    seed: int = setting(0, "random seed (weights of built-in models, sampling, workloads)")
+    prefix_caching: bool = setting(False, "share KV blocks of common prompt prefixes")
+    preemption: str = setting("recompute", "what a preempted request loses: recompute its KV, or swap it to CPU",
+                              choices=PREEMPTION_MODES)
+    swap_space: float = setting(4.0, "CPU memory for swapped-out KV, in GiB", metavar="GIB")
+    cpu_threads: int | None = setting(None, "torch threads on CPU (default: half the cores, leaving room for "
+                                            "watchers)")
+    enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV")
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
-    gpu: str = "h100-sxm5"  # sim: catalog GPU
-    tp: int = 1  # sim: tensor-parallel degree
-    kv_cache_dtype: str = "auto"  # sim: auto (the model's activation dtype), bf16, fp16, fp8, fp32
-    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV (sim; shared with issue 5)
-    sim_efficiency: dict | None = None  # sim: eff_bw, eff_flops, overhead_s, per_seq_s (None: catalog priors)
-    sim_pace: float | None = None  # sim: hold virtual time to at most pace x wall time (1.0: real time)
+    gpu: str = setting("h100-sxm5", "sim: the catalog GPU", group="sim")
+    tp: int = setting(1, "sim: tensor-parallel degree", group="sim")
+    kv_cache_dtype: str = setting("auto", "sim: KV cache element type (auto: the model's activation dtype)",
+                                  choices=KV_CACHE_DTYPES, group="sim")
+    sim_efficiency: dict | None = setting(None, "sim: efficiencies and overhead from `kvscope calibrate --json "
+                                                "FILE`", group="sim", metavar="FILE")
+    sim_pace: float | None = setting(None, "sim: hold virtual time to X x wall time (1: real time, for a live "
+                                           "dashboard)", group="sim", metavar="X")
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise KvscopeError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        _check_choice("mode", self.mode, MODES)
         if not isinstance(self.policy, str):
-            raise KvscopeError(f"policy must be a name or 'module:Class', got {self.policy!r}")
+            raise KvscopeError(f"policy must be a name or 'module:Class', got {_short(self.policy)}")
         from kvscope.engine.policies import load_policy
 
         load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
-        if self.backend not in BACKENDS:
-            raise KvscopeError(f"unknown backend {self.backend!r} (choose from {', '.join(BACKENDS)})")
-        if self.preemption not in PREEMPTION_MODES:
-            raise KvscopeError(
-                f"unknown preemption mode {self.preemption!r} (choose from {', '.join(PREEMPTION_MODES)})")
-        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or not self.swap_space >= 0:
-            raise KvscopeError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise KvscopeError(f"prefix_caching must be true or false, got {self.prefix_caching!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise KvscopeError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise KvscopeError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise KvscopeError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
-            raise KvscopeError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise KvscopeError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("preemption mode", self.preemption, PREEMPTION_MODES)
+        for name in ("model", "device", "dtype", "gpu", "kv_cache_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise KvscopeError(f"{name} must be a string, got {_short(getattr(self, name))}")
+        _check_number("swap_space", self.swap_space, 0.0, MAX_SWAP_SPACE_GIB, "GiB")
+        for name in ("prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise KvscopeError(f"{name} must be true or false, got {_short(getattr(self, name))}")
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_TOKENS_PER_STEP)
+        _check_int("seed", self.seed, 0, (1 << 63) - 1)
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1, MAX_NUM_BLOCKS)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2, MAX_TOKENS_PER_STEP)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 4096)
         gmu = self.gpu_memory_utilization
-        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
-            raise KvscopeError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
+        if not _is_number(gmu) or not 0 < gmu <= 1:
+            raise KvscopeError(f"gpu_memory_utilization must be a number in (0, 1], got {_short(gmu)}")
         if self.backend == "sim":
+            _check_int("tp", self.tp, 1, MAX_TP)
+            if self.sim_pace is not None:
+                _check_number("sim_pace", self.sim_pace, 1e-6, 1e6)
             from kvscope.engine.sim.backend import validate_sim_config
 
             validate_sim_config(self)
+        elif self.preemption == "swap":
+            host = host_memory_bytes()
+            if host is not None and self.swap_space * GiB > host:
+                raise KvscopeError(f"swap_space {self.swap_space:g} GiB is more than this machine's memory "
+                                   f"({host / GiB:.1f} GiB)")
 
     @property
     def effective_max_num_seqs(self) -> int:
@@ -83,3 +122,58 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(EngineConfig))
+
+
+def config_from_data(data: Any, where: str) -> EngineConfig:
+    """An EngineConfig from a file's map (a bench preset's "engine"). Files are data: unknown keys are
+    refused and the policy must be a built-in one; a module:Class policy comes from the command line only."""
+    if not isinstance(data, dict):
+        raise KvscopeError(f"{where} must be a map of engine settings, got {_short(data)}")
+    for k in data:
+        if k not in CONFIG_FIELDS:
+            raise KvscopeError(f"{where}: unknown engine setting {_short(k)} (known: {', '.join(CONFIG_FIELDS)})")
+    policy = data.get("policy", "fcfs")
+    if policy not in POLICIES:
+        raise KvscopeError(f"{where}: policy must be one of {', '.join(POLICIES)} in a file, got {_short(policy)} "
+                           "(a module:Class policy can be given only with --policy)")
+    config = EngineConfig(**data)
+    try:
+        config.validate()
+    except KvscopeError as e:
+        raise KvscopeError(f"{where}: {e}") from None
+    return config
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    s = repr(v) if not isinstance(v, (list, dict, tuple)) or len(v) <= 8 else f"<{type(v).__name__} of {len(v)}>"
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise KvscopeError(f"{name} must be an integer in [{lo}, {hi:,}], got {_short(v)}")
+
+
+def _check_number(name: str, v: Any, lo: float, hi: float, unit: str = "") -> None:
+    if not _is_number(v) or not lo <= v <= hi:
+        raise KvscopeError(f"{name} must be a number in [{lo:g}, {hi:g}]{' ' + unit if unit else ''}, got {_short(v)}")
+
+
+def _check_choice(name: str, v: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(v, str) or v not in choices:
+        raise KvscopeError(f"unknown {name} {_short(v)} (choose from {', '.join(choices)})")

@@ -1,8 +1,12 @@
-"""User-facing errors: each carries a one-line message and is printed without a traceback."""
+"""User-facing errors: each carries a one-line message and is printed without a traceback.
+
+KvscopeError is deliberately not a ValueError: the CLI turns a KvscopeError into one
+line and exit status 2, while a ValueError from a bug keeps its traceback.
+"""
 
 
-class KvscopeError(ValueError):
-    """A mistake in what the user asked for (bad config, bad prompt, bad path)."""
+class KvscopeError(Exception):
+    """A mistake in what the user asked for (bad config, bad prompt, bad path, bad file)."""
 
 
 class RequestRejected(KvscopeError):

@@ -11,7 +11,7 @@ import torch
 from kvscope.engine import telemetry
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.clock import WallClock
-from kvscope.engine.config import EngineConfig
+from kvscope.engine.config import MAX_NUM_BLOCKS, EngineConfig, host_memory_bytes
 from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.models import load_model
@@ -82,6 +82,7 @@ class LLMEngine:
             self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
         self.tokenizer = self.loaded.tokenizer
         num_blocks = config.num_blocks or self._auto_num_blocks()
+        self._check_kv_fits(num_blocks)
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
         window = getattr(getattr(self.loaded, "attention", None), "uniform_window", None)
@@ -121,7 +122,7 @@ class LLMEngine:
     # ---- sizing --------------------------------------------------------------
     def _auto_num_blocks(self) -> int:
         if self.sim is not None:
-            return self.sim.num_blocks(self.config.block_size)
+            return min(MAX_NUM_BLOCKS, self.sim.num_blocks(self.config.block_size))
         per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
         if self.device.type == "cuda":
             from kvscope.engine.cuda_graphs import kv_cache_budget_bytes
@@ -133,7 +134,17 @@ class LLMEngine:
                 gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager)
         else:
             budget = CPU_KV_CACHE_BYTES
-        return max(1, budget // per_block)
+        return min(MAX_NUM_BLOCKS, max(1, budget // per_block))
+
+    def _check_kv_fits(self, num_blocks: int) -> None:
+        """An explicit num_blocks is checked against the device's memory before the cache is allocated."""
+        if self.sim is not None or self.config.num_blocks is None:
+            return
+        need = num_blocks * ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
+        have = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host_memory_bytes()
+        if have is not None and need > have:
+            raise KvscopeError(f"num_blocks {num_blocks} needs {need / (1 << 30):.1f} GiB of KV cache; "
+                               f"{self.device} has {have / (1 << 30):.1f} GiB")
 
     def _num_swap_blocks(self) -> int:
         if self.sim is not None:

@@ -1,37 +1,33 @@
-"""Drives an engine over a timed workload, and answers control requests between steps."""
+"""Drives an engine over a timed workload, and answers control requests between steps.
+
+Control work per step is bounded: the control server hands over at most a poll's worth of
+requests, snapshot requests in one poll share one snapshot, and injected requests stop at
+``max_waiting`` queued requests (past it a burst is answered ``refused``).
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from kvscope import workload as wl
-from kvscope.engine.errors import RequestRejected
+from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, Summary
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.serve.options import ServeOptions
 
 IDLE_POLL_S = 0.02  # how often an idle or paused engine looks at the control socket
 LONG_PROMPT_TOKENS = 2048
+REFUSED_NOTICE_EVERY_S = 10.0  # a saturated engine says it is refusing requests, but not once per request
 
 
 def reserved_top_ids(vocab: int, eos_token_ids: frozenset[int]) -> int:
     """How many ids at the top of the vocab to keep out of generated prompts: special tokens sit there."""
     top = max(eos_token_ids) if eos_token_ids else -1
     return vocab - top if top >= vocab // 2 else 0
-
-
-@dataclass
-class ServeOptions:
-    workload: str = "mixed"
-    num_requests: int | None = None
-    seed: int = 0
-    forever: bool = False
-    burst_every_s: float | None = None  # forever mode: extra bursts on top of the workload
-    verbose_rejects: bool = True
 
 
 class Server:
@@ -49,6 +45,8 @@ class Server:
         self.vocab = engine.loaded.vocab_size
         self.reserved = reserved_top_ids(self.vocab, engine.loaded.eos_token_ids)
         self._injected: list[wl.WorkloadRequest] = []
+        self.refused = 0  # requests not queued because max_waiting were already waiting
+        self._refused_notice = -REFUSED_NOTICE_EVERY_S
         self._seed_counter = options.seed * 7919 + 1
 
     def requests(self) -> Iterator[wl.WorkloadRequest]:
@@ -65,24 +63,46 @@ class Server:
         self._seed_counter += 1
         return self._seed_counter
 
+    def queued(self) -> int:
+        """Requests waiting for admission: the engine's queue and the injected ones not yet submitted."""
+        return len(self.engine.scheduler.waiting) + len(self._injected)
+
+    def _room(self) -> int:
+        cap = self.options.max_waiting
+        return (1 << 62) if cap is None else max(0, cap - self.queued())
+
+    def _inject(self, req, items: list[wl.WorkloadRequest], asked: int) -> None:
+        self._injected += items
+        if len(items) < asked:
+            self.refused += asked - len(items)
+            req.reply(ok=False, error=f"refused: {self.queued()} requests are waiting (max_waiting "
+                                      f"{self.options.max_waiting}); added {len(items)} of {asked}",
+                      refused=asked - len(items), added=len(items))
+        else:
+            req.reply(ok=True, added=len(items))
+
     def _handle_control(self, now: float) -> None:
+        snapshot_replies = []
         for req in self.control.poll():
             args = req.args
             if req.cmd == "snapshot":
-                self.engine.publish_snapshot()
-                req.reply(ok=True, step=self.engine.scheduler.step_count)
+                snapshot_replies.append(req)  # one snapshot answers every request of this poll
             elif req.cmd in ("burst", "add"):
                 n = args.get("n", 16)
                 try:
                     spec = wl.load_spec(args.get("workload", "burst")) if req.cmd == "add" else self.spec
-                except ValueError as e:
+                except KvscopeError as e:
                     req.reply(ok=False, error=str(e))
                     continue
-                self._injected += wl.make_burst(spec, n, at=now, vocab_size=self.vocab, seed=self._next_seed(),
-                                                reserved_ids=self.reserved,
-                                                max_prompt_len=self.engine.max_model_len - 1)
-                req.reply(ok=True, added=n)
+                k = min(n, self._room())
+                items = wl.make_burst(spec, k, at=now, vocab_size=self.vocab, seed=self._next_seed(),
+                                      reserved_ids=self.reserved,
+                                      max_prompt_len=self.engine.max_model_len - 1) if k else []
+                self._inject(req, items, n)
             elif req.cmd == "long":
+                if not self._room():
+                    self._inject(req, [], 1)  # answered: refused
+                    continue
                 length = min(args.get("prompt_len", LONG_PROMPT_TOKENS), self.engine.max_model_len - 1)
                 self._injected.append(wl.make_long_prompt(length, at=now, vocab_size=self.vocab,
                                                           seed=self._next_seed(), reserved_ids=self.reserved))
@@ -93,9 +113,24 @@ class Server:
             elif req.cmd == "stop":
                 self.stopping = True
                 req.reply(ok=True)
+        if snapshot_replies:
+            self.engine.publish_snapshot()
+            for req in snapshot_replies:
+                req.reply(ok=True, step=self.engine.scheduler.step_count)
 
     # ---- the loop -----------------------------------------------------------------------
-    def _submit(self, item: wl.WorkloadRequest, arrival: float) -> None:
+    def _submit(self, item: wl.WorkloadRequest, arrival: float, *, counted: bool = False) -> None:
+        """Queue one request; ``counted``: its room under max_waiting was taken when it was injected."""
+        cap = self.options.max_waiting
+        if not counted and cap is not None and len(self.engine.scheduler.waiting) >= cap:
+            self.metrics.rejected += 1
+            self.refused += 1
+            now = time.monotonic()
+            if self.options.verbose_rejects and now - self._refused_notice >= REFUSED_NOTICE_EVERY_S:
+                self._refused_notice = now
+                print(f"kvscope: {cap} requests are waiting (max_waiting): refusing new ones "
+                      f"({self.refused} so far)", file=sys.stderr)
+            return
         params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=item.ignore_eos)
         try:
             self.engine.add_request(item.prompt, params, item.priority, arrival=arrival)
@@ -114,9 +149,9 @@ class Server:
                 self._handle_control(now - start)
             if self.inbox is not None:
                 self.inbox.poll()
-            while self._injected:
-                item = self._injected.pop(0)
-                self._submit(item, start + item.arrival)
+            injected, self._injected = self._injected, []
+            for item in injected:
+                self._submit(item, start + item.arrival, counted=True)
             while upcoming is not None and start + upcoming.arrival <= now:
                 self._submit(upcoming, start + upcoming.arrival)
                 upcoming = next(source, None)

@@ -26,8 +26,13 @@ FOOTER_MAGIC = b"KVTREND\0"
 # each event inside an uncompressed chunk: u32 length + encoded event
 EVENT_LEN = struct.Struct("<I")
 
+# Bounds on every length a reader trusts. The writer keeps to them (it splits a chunk at a
+# snapshot rather than exceed them), so a reader never refuses what a writer wrote; a
+# recorded chunk is typically well under 1 MiB raw.
 MAX_HELLO_BYTES = 1 << 20
-MAX_CHUNK_BYTES = 256 << 20  # compressed
-MAX_CHUNK_RAW_BYTES = 512 << 20  # uncompressed
-MAX_CHUNK_EVENTS = 1 << 22
-MAX_INDEX_BYTES = 256 << 20
+MAX_CHUNK_RAW_BYTES = 64 << 20  # uncompressed: also the most a zlib bomb can make a reader allocate
+MAX_CHUNK_BYTES = MAX_CHUNK_RAW_BYTES + (1 << 20)  # compressed (zlib can expand incompressible data a little)
+MAX_CHUNK_EVENTS = 1 << 17
+MAX_INDEX_BYTES = 64 << 20
+# The first piece of a chunk inflated before the rest: garbage is refused before a bomb expands.
+FIRST_PIECE_BYTES = 64 << 10

@@ -17,10 +17,21 @@ def _fmt_t(t: float | None) -> str:
     return "-" if t is None else f"{t:.3f}s"
 
 
-def trace_info(path: str | os.PathLike) -> str:
-    """Text report of a trace. Raises ProtocolError for a file that is not a trace
-    (the message is one line), OSError if it cannot be read."""
+def _short(v, limit: int = 40) -> str:
+    """A config value as printed: a file may hold anything, so never more than one short line."""
+    text = str(v) if isinstance(v, (str, int, float, bool, type(None))) else f"<{type(v).__name__}>"
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def trace_info(path: str | os.PathLike, *, verify: bool = True) -> str:
+    """Text report of a trace. With ``verify`` (the default) every chunk is read and decoded, so
+    damage anywhere is reported with its byte offset; without, the index is trusted (its stats are
+    still checked). Raises ProtocolError for a file that is not a trace (the message is one
+    line), OSError if it cannot be read."""
     r = TraceReader(path)
+    if verify:
+        r.verify()
     s = r.summary()
     h = r.hello
     try:
@@ -28,14 +39,15 @@ def trace_info(path: str | os.PathLike) -> str:
     except (OverflowError, OSError, ValueError):
         started = f"{h.wall_start!r} (wall clock)"
     cfg = h.config.as_dict()
-    shown = [f"{k}={cfg[k]}" for k in _CONFIG_KEYS if k in cfg]
+    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if k in cfg]
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:
         shown.append(f"(+{others} more)")
     lines = [
         f"trace:      {os.fspath(path)}",
         f"format:     kvtrace v{s.format_version}, protocol v{s.protocol_version}, "
-        f"{s.bytes} bytes, {s.chunks} chunks{'' if s.complete else ', no valid index'}",
+        f"{s.bytes} bytes, {s.chunks} chunks{'' if s.complete else ', no valid index'}"
+        + ("" if verify else " (index trusted: chunks not checked)"),
         f"started:    {started}",
         f"engine:     {' '.join(shown) if shown else '(no config)'}",
         f"steps:      {s.steps}"

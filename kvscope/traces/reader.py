@@ -7,6 +7,7 @@ or damaged after its header still opens: the stream ends at the last good chunk 
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -75,6 +76,25 @@ def _read_at(f, off: int, n: int) -> bytes:
     return f.read(n)
 
 
+def _inflate(data: bytes, raw_len: int) -> bytes:
+    """Decompress a chunk to exactly its declared raw length, never more. The first piece is
+    checked before the rest is inflated, so a zlib bomb of garbage fails after 64 KiB, not 64 MiB."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(data, min(raw_len + 1, F.FIRST_PIECE_BYTES))
+        if len(raw) >= F.EVENT_LEN.size:
+            (ln,) = F.EVENT_LEN.unpack_from(raw)
+            if ln == 0 or F.EVENT_LEN.size + ln > raw_len:
+                raise _ChunkError("bad event length")
+        if len(raw) <= raw_len and not d.eof:
+            raw += d.decompress(d.unconsumed_tail, raw_len + 1 - len(raw))
+        if len(raw) != raw_len or not d.eof or d.unused_data or d.unconsumed_tail:
+            raise _ChunkError("compressed data does not match its stated length")
+    except zlib.error as e:
+        raise _ChunkError(f"bad compressed data: {e}") from None
+    return raw
+
+
 class TraceReader:
     """Read a trace: ``hello``, ``warnings``, iterate events, ``seek(step)``, ``summary()``."""
 
@@ -97,6 +117,8 @@ class TraceReader:
         self.warnings: list[str] = []
         self.complete = False
         self._stats: dict | None = None
+        self._counted: dict | None = None  # counts from decoding every chunk (verify)
+        self._warned_stats = False
         self._cache: tuple[int, list] | None = None
         with src.open() as f:
             self.hello, self._data_start = self._read_header(f)
@@ -181,6 +203,10 @@ class TraceReader:
         stats = idx.get("stats")
         if type(stats) is dict:
             self._stats = stats
+        lost = idx.get("lost")
+        if type(lost) is int and lost > 0:
+            self.warnings.append(f"the writer could not record {lost} events (over the decode limit, or a "
+                                 "chunk too large to split); the trace skips them")
         self.complete = True
         return chunks
 
@@ -250,13 +276,7 @@ class TraceReader:
         first, last, n, raw_len = F.CHUNK_META.unpack_from(body)
         if raw_len > F.MAX_CHUNK_RAW_BYTES or n < 1 or n > F.MAX_CHUNK_EVENTS:
             raise _ChunkError("bad chunk metadata")
-        try:
-            d = zlib.decompressobj()
-            raw = d.decompress(body[F.CHUNK_META.size :], raw_len + 1)
-            if len(raw) != raw_len or not d.eof or d.unused_data or d.unconsumed_tail:
-                raise _ChunkError("compressed data does not match its stated length")
-        except zlib.error as e:
-            raise _ChunkError(f"bad compressed data: {e}") from None
+        raw = _inflate(body[F.CHUNK_META.size :], raw_len)
         events = []
         pos = 0
         mv = memoryview(raw)
@@ -267,19 +287,22 @@ class TraceReader:
             pos += 4
             if ln == 0 or pos + ln > raw_len:
                 raise _ChunkError("bad event length")
+            if len(events) == n:
+                raise _ChunkError(f"holds more events than the {n} its header says")
             try:
                 ev = decode(mv[pos : pos + ln])
             except ProtocolError as e:
                 raise _ChunkError(f"bad event: {e}") from None
+            except RecursionError:  # the codec bounds nesting; this is a second line of defence
+                raise _ChunkError("bad event: nested too deeply") from None
             if isinstance(ev, HelloEvent):
                 raise _ChunkError("hello event inside a chunk")
+            if not events and (not isinstance(ev, SnapshotEvent) or ev.step != first):
+                raise _ChunkError("does not open with its snapshot")  # checked first: garbage fails fast
             events.append(ev)
             pos += ln
         if len(events) != n:
             raise _ChunkError(f"holds {len(events)} events, header says {n}")
-        snap = events[0]
-        if not isinstance(snap, SnapshotEvent) or snap.step != first:
-            raise _ChunkError("does not open with its snapshot")
         return events
 
     def _load(self, f, i: int) -> list | None:
@@ -351,17 +374,44 @@ class TraceReader:
                 return events[start : end + 1]
         return []
 
-    def summary(self) -> TraceSummary:
-        """Counts from the index when the trace is complete, else from a full scan."""
+    def verify(self) -> None:
+        """Read and decode every chunk (checksums, lengths, events), as `kvscope trace-info` does.
+        Damage ends the trace at the bad chunk, with a warning naming its byte offset; the counts
+        of what is readable replace the index's in ``summary()``."""
+        tally = Tally()
+        it = iter(self)
+        next(it)  # hello
+        for ev in it:
+            tally.add(ev)
+        counted = tally.to_wire()
         stats = self._stats if self.complete else None
-        counts = _stats_ok(stats)
+        if stats is not None:
+            index_counts, problem = _check_stats(stats, self._chunks)
+            if problem is not None:
+                self._warn_stats(problem)
+            elif index_counts != counted:
+                differ = next(k for k in counted if counted[k] != index_counts[k])
+                self.warnings.append(f"index stats do not match the chunks ({differ}: index says "
+                                     f"{index_counts[differ]}, chunks hold {counted[differ]}); "
+                                     "showing the chunks' counts")
+        self._counted = counted
+
+    def _warn_stats(self, problem: str) -> None:
+        if not self._warned_stats:
+            self._warned_stats = True
+            self.warnings.append(f"index stats are wrong ({problem}); counted the chunks instead")
+
+    def summary(self) -> TraceSummary:
+        """Counts from the chunks after ``verify()``; else from the index when it is valid and its
+        stats are consistent; else from a full scan."""
+        counts = self._counted
+        if counts is None and self.complete and self._stats is not None:
+            counts, problem = _check_stats(self._stats, self._chunks)
+            if problem is not None:
+                self._warn_stats(problem)
         if counts is None:
-            tally = Tally()
-            it = iter(self)
-            next(it)  # hello
-            for ev in it:
-                tally.add(ev)
-            counts = tally.to_wire()
+            self.verify()
+            counts = self._counted
         return TraceSummary(
             format_version=F.FORMAT_VERSION,
             protocol_version=self.hello.version,
@@ -374,29 +424,43 @@ class TraceReader:
         )
 
 
-_STAT_KEYS = {
-    "events": (int,),
-    "steps": (int,),
-    "first_step": (int, type(None)),
-    "last_step": (int, type(None)),
-    "t_first": (float, int, type(None)),
-    "t_last": (float, int, type(None)),
-    "requests": (int,),
-    "rejects": (int,),
-    "preemptions": (int,),
-    "finished": (int,),
-    "dropped": (int,),
-}
+_COUNT_KEYS = ("events", "steps", "requests", "rejects", "preemptions", "finished", "dropped")
 
 
-def _stats_ok(stats) -> dict | None:
+def _check_stats(stats, chunks: list[ChunkInfo]) -> tuple[dict | None, str | None]:
+    """The index's counts, or None and what is wrong with them (they are printed, so never trusted)."""
     if type(stats) is not dict:
-        return None
+        return None, "not a map"
     out = {}
-    for k, types in _STAT_KEYS.items():
+    for k in _COUNT_KEYS:
         v = stats.get(k)
-        if type(v) not in types:
-            return None
+        if type(v) is not int or v < 0:
+            return None, f"{k} {_show(v)}"
         out[k] = v
-    return out
+    for k in ("first_step", "last_step"):
+        v = stats.get(k)
+        if v is not None and type(v) is not int:
+            return None, f"{k} {_show(v)}"
+        out[k] = v
+    for k in ("t_first", "t_last"):
+        v = stats.get(k)
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
+            return None, f"{k} {_show(v)}"
+        out[k] = None if v is None else float(v)
+    held = sum(c.events for c in chunks)
+    if out["events"] != held:
+        return None, f"events {out['events']}, the chunks hold {held}"
+    if out["steps"] > out["events"]:
+        return None, f"steps {out['steps']} > events {out['events']}"
+    if (out["first_step"] is None) != (out["steps"] == 0) or (out["last_step"] is None) != (out["steps"] == 0):
+        return None, f"first/last step {out['first_step']}/{out['last_step']} with {out['steps']} steps"
+    if out["first_step"] is not None and out["first_step"] > out["last_step"]:
+        return None, f"first_step {out['first_step']} > last_step {out['last_step']}"
+    if out["t_first"] is not None and out["t_last"] is not None and out["t_first"] > out["t_last"]:
+        return None, f"t_first {out['t_first']} > t_last {out['t_last']}"
+    return out, None
 
+
+def _show(v) -> str:
+    s = repr(v) if isinstance(v, (int, float, str, type(None), bool)) else f"<{type(v).__name__}>"
+    return s if len(s) <= 40 else s[:37] + "..."

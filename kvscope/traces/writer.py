@@ -28,7 +28,7 @@ from typing import Callable
 
 import msgpack
 
-from ..protocol.codec import ProtocolError, encode
+from ..protocol.codec import MAX_EVENT_BYTES, ProtocolError, encode
 from ..protocol.events import HelloEvent, SnapshotEvent, StepEvent
 from . import format as F
 from .summary import Tally
@@ -62,13 +62,14 @@ class TraceWriter:
         self.level = level
         self.skipped = 0  # events published before any snapshot
         self.encode_errors = 0  # events that could not be encoded (lost)
+        self.lost = 0  # events not recorded: too large to decode, or no snapshot to open their chunk
+        self._lost_reasons: set[str] = set()
+        self._accepted = 0
         self.chunks_written = 0
         self.error: BaseException | None = None
         self._tally = Tally()
         self._index: list[list[int]] = []  # [offset, first_step, last_step, n_events]
         self._cur: list | None = None
-        self._cur_first = 0
-        self._cur_last = 0
         self._cur_steps = 0
         self._cur_started = 0.0
         self._closed = False
@@ -118,11 +119,9 @@ class TraceWriter:
             self._roll(event)
             return
         cur.append(event)
-        self._tally.add(event)
+        self._accepted += 1
         if t is StepEvent:
             self._cur_steps += 1
-            if event.step > self._cur_last:
-                self._cur_last = event.step
             if self._full():
                 snap = self._provide()
                 if snap is not None:
@@ -143,20 +142,19 @@ class TraceWriter:
 
     def _open(self, snap: SnapshotEvent) -> None:
         self._cur = [snap]
-        self._tally.add(snap)
-        self._cur_first = self._cur_last = snap.step
+        self._accepted += 1
         self._cur_steps = 0
         self._cur_started = time.monotonic()
 
     def _roll(self, snap: SnapshotEvent) -> None:
-        self._submit((self._cur, self._cur_first, self._cur_last))
+        self._submit(self._cur)
         self._open(snap)
 
     def _submit(self, item) -> None:
         if self._q is not None:
             self._q.put(item)
         else:
-            self._write_chunk(*item)
+            self._write_chunk(item)
 
     # ------------------------------------------------------------------ file side
 
@@ -168,29 +166,61 @@ class TraceWriter:
             if self.error is not None:
                 continue  # the file is broken; drain
             try:
-                self._write_chunk(*item)
+                self._write_chunk(item)
             except BaseException as e:  # disk full, ...
                 self.error = e
                 print(f"kvscope: trace writer failed, recording stopped: {e}", file=sys.stderr)
 
-    def _write_chunk(self, events: list, first: int, last: int) -> None:
-        parts = []
-        n = 0
-        for i, ev in enumerate(events):
+    def _write_chunk(self, events: list) -> None:
+        """Encode, split and write the events of one closed chunk.
+
+        Only what the reader accepts is written: an event over the decode limit is not recorded,
+        and a chunk that would outgrow the format's bounds is split at one of its snapshots (a
+        chunk must open with one). Events with no snapshot to start a chunk from are lost; both
+        are counted in ``lost``, stored in the index and shown by ``kvscope trace-info``."""
+        seg: list[bytes] = []
+        seg_raw = 0
+        seg_first = seg_last = 0
+        for ev in events:
             try:
                 data = encode(ev)
             except ProtocolError:
-                self.encode_errors += 1
-                if i == 0:  # no snapshot to open the chunk: it cannot be replayed
-                    self.encode_errors += len(events) - 1
-                    return
+                data = None
+            if data is None or len(data) > MAX_EVENT_BYTES:
+                self._lose(1, "an event that cannot be encoded within the decode limit")
                 continue
-            parts.append(F.EVENT_LEN.pack(len(data)))
-            parts.append(data)
-            n += 1
-        raw = b"".join(parts)
+            is_snap = type(ev) is SnapshotEvent
+            size = F.EVENT_LEN.size + len(data)
+            if seg and (seg_raw + size > F.MAX_CHUNK_RAW_BYTES or len(seg) >= F.MAX_CHUNK_EVENTS):
+                if not is_snap:
+                    self._lose(1, "a chunk over the format's bounds with no snapshot to split it at")
+                    continue
+                self._write_segment(seg, seg_raw, seg_first, seg_last)
+                seg = []
+            if not seg:
+                if not is_snap:  # no snapshot to open a chunk with: it could not be replayed
+                    self._lose(1, "events whose chunk lost its opening snapshot")
+                    continue
+                seg_raw, seg_first, seg_last = 0, ev.step, ev.step
+            seg.append(data)
+            seg_raw += size
+            self._tally.add(ev)
+            if (is_snap or type(ev) is StepEvent) and ev.step > seg_last:
+                seg_last = ev.step
+        if seg:
+            self._write_segment(seg, seg_raw, seg_first, seg_last)
+
+    def _lose(self, n: int, why: str) -> None:
+        self.lost += n
+        self.encode_errors += n
+        if why not in self._lost_reasons:
+            self._lost_reasons.add(why)
+            print(f"kvscope: trace writer: not recording {why} ({self.path})", file=sys.stderr)
+
+    def _write_segment(self, encoded: list[bytes], raw_len: int, first: int, last: int) -> None:
+        raw = b"".join(F.EVENT_LEN.pack(len(d)) + d for d in encoded)
         body = zlib.compress(raw, self.level)
-        meta = F.CHUNK_META.pack(first, last, n, len(raw))
+        meta = F.CHUNK_META.pack(first, last, len(encoded), raw_len)
         crc = zlib.crc32(body, zlib.crc32(meta))
         rec = F.RECORD.pack(F.CHUNK_TAG, len(meta) + len(body), crc)
         offset = self._pos
@@ -198,7 +228,7 @@ class TraceWriter:
         self._f.write(body)
         self._f.flush()
         self._pos += len(rec) + len(meta) + len(body)
-        self._index.append([offset, first, last, n])
+        self._index.append([offset, first, last, len(encoded)])
         self.chunks_written += 1
 
     def close(self) -> None:
@@ -208,15 +238,16 @@ class TraceWriter:
         self._closed = True
         try:
             if self._cur is not None and len(self._cur) > 0:
-                self._submit((self._cur, self._cur_first, self._cur_last))
+                self._submit(self._cur)
                 self._cur = None
             if self._thread is not None:
                 self._q.put(_STOP)
                 self._thread.join()
             if self.error is None:
-                index = msgpack.packb(
-                    {"chunks": self._index, "stats": self._tally.to_wire()}, use_bin_type=True
-                )
+                index_map = {"chunks": self._index, "stats": self._tally.to_wire()}
+                if self.lost:
+                    index_map["lost"] = self.lost
+                index = msgpack.packb(index_map, use_bin_type=True)
                 rec = F.RECORD.pack(F.INDEX_TAG, len(index), zlib.crc32(index))
                 index_at = self._pos
                 self._f.write(rec)
@@ -232,7 +263,7 @@ class TraceWriter:
     @property
     def events(self) -> int:
         """Events accepted so far (snapshots included, hello not)."""
-        return self._tally.events
+        return self._accepted
 
     @property
     def wants_snapshot(self) -> bool:
