@@ -178,37 +178,37 @@ class TraceWriter:
         and a chunk that would outgrow the format's bounds is split at one of its snapshots (a
         chunk must open with one). Events with no snapshot to start a chunk from are lost; both
         are counted in ``lost``, stored in the index and shown by ``kvscope trace-info``."""
-        seg: list[bytes] = []
+        seg: list[tuple[bytes, object]] = []  # (encoded, event) of the chunk being built
         seg_raw = 0
-        seg_first = seg_last = 0
+        last_snap = 0  # index in seg of its latest snapshot: where it can be split
         for ev in events:
             try:
                 data = encode(ev)
             except ProtocolError:
                 data = None
-            if data is None or len(data) > MAX_EVENT_BYTES:
+            size = F.EVENT_LEN.size + len(data) if data is not None else 0
+            if data is None or len(data) > MAX_EVENT_BYTES or size > F.MAX_CHUNK_RAW_BYTES:
                 self._lose(1, "an event that cannot be encoded within the decode limit")
                 continue
             is_snap = type(ev) is SnapshotEvent
-            size = F.EVENT_LEN.size + len(data)
             if seg and (seg_raw + size > F.MAX_CHUNK_RAW_BYTES or len(seg) >= F.MAX_CHUNK_EVENTS):
-                if not is_snap:
+                cut = len(seg) if is_snap else last_snap
+                if cut == 0:  # one snapshot and what follows it already fill a chunk
                     self._lose(1, "a chunk over the format's bounds with no snapshot to split it at")
                     continue
-                self._write_segment(seg, seg_raw, seg_first, seg_last)
-                seg = []
-            if not seg:
-                if not is_snap:  # no snapshot to open a chunk with: it could not be replayed
-                    self._lose(1, "events whose chunk lost its opening snapshot")
-                    continue
-                seg_raw, seg_first, seg_last = 0, ev.step, ev.step
-            seg.append(data)
+                self._write_segment(seg[:cut])
+                seg = seg[cut:]
+                seg_raw = sum(F.EVENT_LEN.size + len(d) for d, _ in seg)
+                last_snap = 0
+            if not seg and not is_snap:  # no snapshot to open a chunk with: it could not be replayed
+                self._lose(1, "events whose chunk lost its opening snapshot")
+                continue
+            if is_snap:
+                last_snap = len(seg)
+            seg.append((data, ev))
             seg_raw += size
-            self._tally.add(ev)
-            if (is_snap or type(ev) is StepEvent) and ev.step > seg_last:
-                seg_last = ev.step
         if seg:
-            self._write_segment(seg, seg_raw, seg_first, seg_last)
+            self._write_segment(seg)
 
     def _lose(self, n: int, why: str) -> None:
         self.lost += n
@@ -217,10 +217,16 @@ class TraceWriter:
             self._lost_reasons.add(why)
             print(f"kvscope: trace writer: not recording {why} ({self.path})", file=sys.stderr)
 
-    def _write_segment(self, encoded: list[bytes], raw_len: int, first: int, last: int) -> None:
-        raw = b"".join(F.EVENT_LEN.pack(len(d)) + d for d in encoded)
+    def _write_segment(self, seg: list[tuple[bytes, object]]) -> None:
+        """One chunk record: seg opens with a snapshot; the index gets its first and last step."""
+        first = last = seg[0][1].step
+        for _, ev in seg:
+            self._tally.add(ev)
+            if type(ev) in (StepEvent, SnapshotEvent) and ev.step > last:
+                last = ev.step
+        raw = b"".join(F.EVENT_LEN.pack(len(d)) + d for d, _ in seg)
         body = zlib.compress(raw, self.level)
-        meta = F.CHUNK_META.pack(first, last, len(encoded), raw_len)
+        meta = F.CHUNK_META.pack(first, last, len(seg), len(raw))
         crc = zlib.crc32(body, zlib.crc32(meta))
         rec = F.RECORD.pack(F.CHUNK_TAG, len(meta) + len(body), crc)
         offset = self._pos
@@ -228,7 +234,7 @@ class TraceWriter:
         self._f.write(body)
         self._f.flush()
         self._pos += len(rec) + len(meta) + len(body)
-        self._index.append([offset, first, last, len(encoded)])
+        self._index.append([offset, first, last, len(seg)])
         self.chunks_written += 1
 
     def close(self) -> None:

@@ -1,0 +1,197 @@
+"""Careless and hostile command lines: exit status 2 and exactly one line on stderr, never a
+traceback, and never after minutes of work (sizes and paths are checked before the run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvscope.cli import main
+from kvscope.engine.errors import KvscopeError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def one_line_exit_2(argv: list[str], capsys, needle: str) -> str:
+    t0 = time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+QUICK = [
+    (["serve", "--num-blocks", "1e9"], "num_blocks must be an integer in [1, 2,097,152]"),
+    (["serve", "--num-blocks", "1e12", "--backend", "sim", "--model", "llama-3.3-70b-fp8"], "num_blocks must be"),
+    (["serve", "--swap-space", "inf"], "not a finite number"),
+    (["serve", "--swap-space", "nan"], "not a finite number"),
+    (["serve", "--swap-space", "1e6"], "swap_space must be a number in [0, 1024] GiB"),
+    (["serve", "--max-num-batched-tokens", "1e30"], "max_num_batched_tokens must be an integer"),
+    (["serve", "--max-model-len", "-1"], "max_model_len must be an integer"),
+    (["serve", "--num-requests", "1e12"], "outside"),
+    (["serve", "--mode", "fast"], "invalid choice: 'fast'"),
+    (["serve", "--dtype", "int4"], "invalid choice: 'int4'"),
+    (["serve", "--policy", "lifo"], "unknown policy 'lifo'"),
+    (["serve", "--tp", "1e12", "--backend", "sim", "--model", "llama-3.3-70b-fp8"], "tp must be an integer"),
+    (["serve", "--gpu", "bogus"], "invalid choice: 'bogus'"),
+    (["serve", "--workload", "nope"], "unknown workload 'nope'"),
+    (["serve", "--events", "tcp://127.0.0.1:6301", "--control", "tcp://127.0.0.1:6301"], "different addresses"),
+    (["serve", "--events", "ipc:///no/such/dir/kvscope.sock"], "no directory /no/such/dir"),
+    (["serve", "--events", "tcp://0.0.0.0:6302"], "not a loopback address"),
+    (["serve", "--control", "garbage"], "bad address 'garbage'"),
+    (["serve", "--json", "/no/such/dir/out.json"], "cannot write /no/such/dir/out.json"),
+    (["serve", "--record", "/no/such/dir/t.kvtrace"], "cannot write /no/such/dir/t.kvtrace"),
+    (["bench", "--json", "/no/such/dir/out.json"], "cannot write"),
+    (["bench", "--modes", "chunked,turbo"], "unknown name 'turbo'"),
+    (["bench-features", "--experiments", "nope"], "unknown name 'nope'"),
+    (["bench-features", "--json", "/no/such/dir/x.json"], "cannot write"),
+    (["record", "x.kvtrace", "--connect", "garbage"], "bad address 'garbage'"),
+    (["record", "x.kvtrace", "--connect", "tcp://127.0.0.1:99999"], "bad port"),
+    (["record", "/no/such/dir/x.kvtrace"], "cannot write"),
+    (["record", "x.kvtrace", "--duration", "inf"], "not a finite number"),
+    (["tui", "--connect", "udp://127.0.0.1:1"], "unsupported transport"),
+    (["demo", "--sim", "--gpu", "bogus"], "invalid choice: 'bogus'"),
+    (["replay", "/no/such/file.kvtrace"], "cannot read /no/such/file.kvtrace"),
+    (["replay", __file__], "not a kvscope trace"),
+    (["trace-info", "/no/such/file.kvtrace"], "No such file or directory"),
+    (["trace-info", ROOT], "Is a directory"),
+    (["calibrate", "/no/such/file.kvtrace"], "No such file or directory"),
+    (["bench", "--preset", "nope"], "unknown bench preset 'nope'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", QUICK, ids=[" ".join(a) for a, _ in QUICK])
+def test_hostile_values_are_one_line_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_exit_2(argv, capsys, needle)
+
+
+def test_address_in_use_is_one_line(capsys):
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        for flag in ("--events", "--control"):
+            one_line_exit_2(["serve", flag, f"tcp://127.0.0.1:{port}", "--num-requests", "1"], capsys,
+                            f"cannot bind tcp://127.0.0.1:{port}")
+    finally:
+        holder.close()
+
+
+def test_num_blocks_beyond_memory_is_refused_before_allocating(capsys):
+    # under the bookkeeping cap, over this machine's memory for the tiny model's fp32 KV
+    line = one_line_exit_2(["serve", "--device", "cpu", "--num-blocks", "2000000", "--num-requests", "1"], capsys,
+                           "num_blocks 2000000 needs")
+    assert "GiB of KV cache" in line
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda p: p["engine"].update(policy="os:getcwd"), "a module:Class policy can be given only with --policy"),
+    (lambda p: p["engine"].update(colour="red"), "unknown engine setting 'colour'"),
+    (lambda p: p.update(colour="red"), "unknown field `colour`"),
+    (lambda p: p["engine"].update(num_blocks="12"), "num_blocks must be an integer"),
+    (lambda p: p["engine"].update(num_blocks=10**12), "num_blocks must be an integer"),
+    (lambda p: p.update(modes=["chunked", "warp"]), "modes must be a list of"),
+    (lambda p: p["workload"].update(arrival={"kind": "warp"}), "arrival.kind must be one of"),
+])
+def test_bench_preset_files_are_data(change, needle, capsys, tmp_path):
+    from importlib import resources
+
+    preset = json.loads(resources.files("kvscope.bench").joinpath("presets", "lesson.json").read_text())
+    change(preset)
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(preset))
+    one_line_exit_2(["bench", "--preset", str(path)], capsys, needle)
+
+
+def test_a_preset_never_imports_the_module_it_names(tmp_path, monkeypatch):
+    """The policy field of a preset file names a module in the current directory: it is not imported."""
+    from importlib import resources
+
+    from kvscope.bench.preset import load_preset
+
+    (tmp_path / "evil_policy.py").write_text("import pathlib\npathlib.Path('IMPORTED').write_text('yes')\n"
+                                             "class P:\n    def order(self, w, s):\n        return w\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    preset = json.loads(resources.files("kvscope.bench").joinpath("presets", "lesson.json").read_text())
+    preset["engine"]["policy"] = "evil_policy:P"
+    (tmp_path / "p.json").write_text(json.dumps(preset))
+    with pytest.raises(KvscopeError, match="only with --policy"):
+        load_preset(str(tmp_path / "p.json"))
+    assert not (tmp_path / "IMPORTED").exists()
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"base": "chat", "colour": "red"}, "unknown key 'colour'"),
+    ({"base": "chat", "num_requests": "12"}, "num_requests must be an integer"),
+    ({"base": "chat", "num_requests": 10**12}, "num_requests must be <= 1000000"),
+    ({"base": "chat", "policy": "os:system"}, "unknown key 'policy'"),
+    ({"base": "chat", "prompt_len": {"kind": "const", "value": 10**9}}, "prompt_len.value must be <="),
+    ("[" * 100_000, "invalid JSON"),
+])
+def test_workload_files_are_data(body, needle, capsys, tmp_path):
+    path = tmp_path / "w.json"
+    path.write_text(body if isinstance(body, str) else json.dumps(body))
+    one_line_exit_2(["serve", "--workload", str(path)], capsys, needle)
+
+
+def test_deeply_nested_mixture_is_one_line(capsys, tmp_path):
+    dist = {"kind": "const", "value": 3}
+    for _ in range(200):
+        dist = {"kind": "mixture", "components": [{"weight": 1, "dist": dist}]}
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"base": "chat", "prompt_len": dist}))
+    one_line_exit_2(["serve", "--workload", str(path)], capsys, "nests mixtures more than 8 deep")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only user mistakes are one line: a ValueError from a bug is not swallowed as a usage error."""
+    import kvscope.traces.info as info
+
+    def broken(*a, **k):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(info, "trace_info", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        main(["trace-info", __file__])
+    assert not issubclass(KvscopeError, ValueError)
+
+
+def test_process_level_no_traceback_and_demo_engine_failure_is_reported(tmp_path):
+    """As a user runs it: a separate process, and the demo's engine failing at start-up."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--swap-space", "inf"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+    from kvscope.tui.demo import run_demo
+
+    t0 = time.monotonic()
+    with pytest.raises(KvscopeError) as e:
+        run_demo(device="cpu", events_addr=f"tcp://127.0.0.1:{free_port()}",
+                 control_addr=f"tcp://127.0.0.1:{free_port()}", extra_args=("--block-size", "0"),
+                 log_path=str(tmp_path / "engine.log"))
+    assert time.monotonic() - t0 < 30
+    message = str(e.value)
+    assert "\n" not in message and "the engine exited with code 2" in message
+    assert "block_size must be an integer in [1, 1,024], got 0" in message
