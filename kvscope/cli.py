@@ -76,12 +76,12 @@ def _float_type(lo: float | None = None, hi: float | None = None, *, positive: b
     return parse
 
 
-def _comma_list(choices: tuple[str, ...] | None = None) -> Callable[[str], list[str]]:
+def _comma_list(choices: tuple[str, ...] | None = None, what: str = "name") -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in items if choices is not None and x not in choices]
         if bad:
-            raise argparse.ArgumentTypeError(f"unknown name {bad[0]!r} (choose from {', '.join(choices)})")
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0]!r} (choose from {', '.join(choices)})")
         return items
 
     parse.__name__ = "list"
@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="compare the four modes and transformers on one workload")
     _engine_args(p)
     _workload_args(p, "mixed")
-    p.add_argument("--modes", type=_comma_list(MODES), default=list(MODES),
+    p.add_argument("--modes", type=_comma_list(MODES, "mode"), default=list(MODES),
                    help=f"comma list of {', '.join(MODES)} (default: all)")
     p.add_argument("--peers", type=_comma_list(), default=["hf-static", "hf-generate-batch"],
                    help="comma list of hf-static, hf-generate-batch; empty for none (default: both)")
@@ -578,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvscope.bench.features import EXPERIMENTS
 
     p = sub.add_parser("bench-features", help="prefix caching on/off, priority vs fcfs, swap vs recompute")
-    p.add_argument("--experiments", type=_comma_list(EXPERIMENTS), default=list(EXPERIMENTS),
+    p.add_argument("--experiments", type=_comma_list(EXPERIMENTS, "experiment"), default=list(EXPERIMENTS),
                    help=f"comma list of {', '.join(EXPERIMENTS)} (default: all)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu")

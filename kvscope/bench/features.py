@@ -198,14 +198,3 @@ def main(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"results": results}, f, indent=1)
     return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-features", help="prefix caching on/off, priority vs fcfs, swap vs recompute")
-    p.add_argument("--experiments", default=",".join(EXPERIMENTS), help=f"comma list of {', '.join(EXPERIMENTS)}")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (default: 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="write results as JSON")
-    p.set_defaults(func=main)

@@ -55,8 +55,8 @@ class Server:
             return wl.generate_forever(self.spec, vocab_size=self.vocab, seed=self.options.seed,
                                        reserved_ids=self.reserved, max_prompt_len=max_prompt,
                                        burst_every_s=self.options.burst_every_s)
-        return iter(wl.generate(self.spec, vocab_size=self.vocab, num_requests=self.options.num_requests,
-                                seed=self.options.seed, max_prompt_len=max_prompt, reserved_ids=self.reserved))
+        return wl.generate_iter(self.spec, vocab_size=self.vocab, num_requests=self.options.num_requests,
+                                seed=self.options.seed, max_prompt_len=max_prompt, reserved_ids=self.reserved)
 
     # ---- control ------------------------------------------------------------------
     def _next_seed(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from .arrivals import ArrivalSpec
 from .checks import MAX_LEN, WorkloadError
 from .files import load_spec, parse_spec
-from .generate import (WorkloadRequest, generate, generate_forever, make_burst, make_long_prompt,
+from .generate import (WorkloadRequest, generate, generate_forever, generate_iter, make_burst, make_long_prompt,
                        shared_prefix_tokens)
 from .lengths import LengthDist
 from .presets import PRESETS
@@ -40,6 +40,7 @@ __all__ = [
     "parse_length",
     "generate",
     "generate_forever",
+    "generate_iter",
     "make_burst",
     "make_long_prompt",
     "shared_prefix_tokens",

@@ -87,16 +87,33 @@ class _Maker:
 
 
 def _batch(spec: WorkloadSpec, times: list[float], seed: int, vocab_size: int, reserved_ids: int,
-           max_prompt_len: int | None, max_tokens_cap: int | None) -> list[WorkloadRequest]:
+           max_prompt_len: int | None, max_tokens_cap: int | None) -> Iterator[WorkloadRequest]:
+    """The requests for these arrival times, in order, made one at a time (arguments checked now)."""
     usable = _check_gen_args(vocab_size, reserved_ids, max_prompt_len, max_tokens_cap)
     n = len(times)
     prefix = shared_prefix_tokens(spec, vocab_size=vocab_size, reserved_ids=reserved_ids)
     # Exactly round(fraction * n) requests carry the prefix, chosen at random.
     shared = set(_rng(seed, "shared").sample(range(n), round(spec.shared_prefix_fraction * n)))
     maker = _Maker(spec, seed, usable, max_prompt_len, max_tokens_cap, prefix)
-    reqs = [maker.make(t, i in shared) for i, t in enumerate(times)]
-    reqs.sort(key=lambda r: r.arrival)
-    return reqs
+    return (maker.make(t, i in shared) for i, t in enumerate(times))
+
+
+def _times(spec: WorkloadSpec, num_requests: int | None, seed: int | None) -> tuple[list[float], int]:
+    n = spec.num_requests if num_requests is None else num_requests
+    if not is_int(n) or not 0 <= n <= MAX_REQUESTS:
+        raise WorkloadError(f"num_requests must be an integer in [0, {MAX_REQUESTS}], got {short_repr(n)}")
+    seed = spec.seed if seed is None else seed
+    arrivals = spec.arrival.times(_rng(seed, "arrival"))
+    return [next(arrivals) for _ in range(n)], seed
+
+
+def generate_iter(spec: WorkloadSpec, *, vocab_size: int, num_requests: int | None = None,
+                  seed: int | None = None, max_prompt_len: int | None = None,
+                  max_tokens_cap: int | None = None, reserved_ids: int = 0) -> Iterator[WorkloadRequest]:
+    """``generate``'s requests, in the same order, made as they are consumed: a server holds
+    only those it has reached, however many the spec asks for. Arguments are checked at the call."""
+    times, seed = _times(spec, num_requests, seed)
+    return _batch(spec, times, seed, vocab_size, reserved_ids, max_prompt_len, max_tokens_cap)
 
 
 def generate(spec: WorkloadSpec, *, vocab_size: int, num_requests: int | None = None,
@@ -108,13 +125,10 @@ def generate(spec: WorkloadSpec, *, vocab_size: int, num_requests: int | None = 
     ``max_prompt_len`` (the shared prefix first keeps its tokens), outputs to
     ``max_tokens_cap``; both stay >= 1.
     """
-    n = spec.num_requests if num_requests is None else num_requests
-    if not is_int(n) or not 0 <= n <= MAX_REQUESTS:
-        raise WorkloadError(f"num_requests must be an integer in [0, {MAX_REQUESTS}], got {short_repr(n)}")
-    seed = spec.seed if seed is None else seed
-    arrivals = spec.arrival.times(_rng(seed, "arrival"))
-    times = [next(arrivals) for _ in range(n)]
-    return _batch(spec, times, seed, vocab_size, reserved_ids, max_prompt_len, max_tokens_cap)
+    # Arrival times never decrease, so the requests come out sorted by arrival.
+    return list(generate_iter(spec, vocab_size=vocab_size, num_requests=num_requests, seed=seed,
+                              max_prompt_len=max_prompt_len, max_tokens_cap=max_tokens_cap,
+                              reserved_ids=reserved_ids))
 
 
 def generate_forever(spec: WorkloadSpec, *, vocab_size: int, seed: int | None = None,
@@ -164,7 +178,7 @@ def make_burst(spec_or_name: WorkloadSpec | str, n: int, *, at: float, vocab_siz
         raise WorkloadError(f"burst size must be an integer in [0, {MAX_REQUESTS}], got {short_repr(n)}")
     if not is_num(at) or at < 0:
         raise WorkloadError(f"burst time must be >= 0, got {short_repr(at)}")
-    return _batch(spec, [float(at)] * n, seed, vocab_size, reserved_ids, max_prompt_len, max_tokens_cap)
+    return list(_batch(spec, [float(at)] * n, seed, vocab_size, reserved_ids, max_prompt_len, max_tokens_cap))
 
 
 def make_long_prompt(length: int, *, at: float, vocab_size: int, seed: int, max_tokens: int = 64,
