@@ -190,7 +190,7 @@ def test_text_prompt_for_a_model_without_tokenizer(models):
 
 
 @pytest.mark.parametrize("args, match", [(["--peers", "foo"], "unknown peer 'foo'"),
-                                         (["--modes", "chunked,fast"], "unknown name 'fast'")])
+                                         (["--modes", "chunked,fast"], "unknown mode 'fast'")])
 def test_bench_rejects_bad_row_names_before_running_anything(args, match, capsys):
     from kvscope.cli import main
 
