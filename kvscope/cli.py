@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Callable, get_args
 
-from kvscope.engine.config import CONFIG_FIELDS, MODES, EngineConfig
+from kvscope.engine.config import CONFIG_FIELDS, MODES, SIM_GPUS, EngineConfig
 from kvscope.engine.errors import KvscopeError
 
 EXIT_USAGE = 2
@@ -111,8 +111,6 @@ def _default_text(f: dataclasses.Field) -> str:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field. Every default is None, so the config's own defaults apply and
     a preset can tell which flags were given."""
-    from kvscope.engine.sim.catalog import GPUS
-
     groups = {"engine": p.add_argument_group("engine"),
               "sim": p.add_argument_group("sim backend (docs/SIM.md); --model then names a catalog shape, "
                                           "e.g. llama-3.3-70b-fp8")}
@@ -122,8 +120,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         kind = _field_type(f)
         kw: dict[str, Any] = {"default": None, "help": meta["help"] + _default_text(f)}
         choices = meta.get("choices")
-        if f.name == "gpu":
-            choices = tuple(GPUS)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif kind is dict:
@@ -523,7 +519,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvscope.engine.sim.catalog import GPUS
     from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
     from kvscope.serve.options import DEFAULT_MAX_WAITING
 
@@ -607,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="engine + dashboard")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--sim", action="store_true", help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
-    p.add_argument("--gpu", default="h100-sxm5", choices=tuple(GPUS), help="with --sim: the GPU to simulate")
+    p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
     p.add_argument("--palette", default="default", choices=palettes, help="cb: colour-blind safe")
     p.set_defaults(func=cmd_demo)
 

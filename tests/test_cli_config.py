@@ -40,7 +40,7 @@ def test_enumerated_flags_list_their_choices():
     assert tuple(actions["backend"].choices) == BACKENDS
     assert tuple(actions["preemption"].choices) == PREEMPTION_MODES
     assert tuple(actions["kv_cache_dtype"].choices) == KV_CACHE_DTYPES
-    assert tuple(actions["gpu"].choices) == tuple(GPUS)
+    assert tuple(actions["gpu"].choices) == tuple(GPUS)  # config.SIM_GPUS, kept equal to the catalog
     # a policy may also be module:Class, so argparse cannot check it; the help lists the built-ins
     assert actions["policy"].metavar == "{" + ",".join(POLICIES + ("module:Class",)) + "}"
 
@@ -51,6 +51,18 @@ def test_no_flag_means_the_config_default_and_flags_reach_the_config():
     config = _engine_config(parse(["serve", "--mode", "static", "--num-blocks", "1e3", "--swap-space", "0.5",
                                    "--enforce-eager", "--no-prefix-caching", "--backend", "model"]))
     assert (config.mode, config.num_blocks, config.swap_space, config.enforce_eager) == ("static", 1000, 0.5, True)
+
+
+def test_commands_that_need_no_engine_load_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvscope.cli import main; main(['trace-info', sys.argv[1]]); "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('kvscope.engine.models', "
+            "'kvscope.engine.llm_engine', 'kvscope.engine.sim.catalog'))]; print('LOADED', bad)")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "traces", "calib-cpu.kvtrace")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
 
 
 def test_argparse_is_used_by_the_cli_only():

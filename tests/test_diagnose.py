@@ -202,7 +202,8 @@ def test_diagnose_without_what_if_loads_no_engine_or_torch(tmp_path):
     trace = str(tmp_path / "t.kvtrace")
     _record(trace, dict(backend="sim", model="llama-3.1-8b", gpu="h100-sxm5", max_num_seqs=4), "chat", 10)
     code = ("import sys; from kvscope.cli import main; rc = main(['diagnose', sys.argv[1], '--no-what-if']); "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('kvscope.engine')]; "
+            "heavy = ('kvscope.engine.llm_engine', 'kvscope.engine.models', 'kvscope.engine.scheduler'); "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(heavy)]; "
             "print('LOADED', bad); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, trace], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})

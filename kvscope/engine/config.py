@@ -20,6 +20,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
+# The sim catalog's GPUs (kvscope.engine.sim.catalog.GPUS; a test keeps the two equal). Named here
+# so the CLI lists them without importing the catalog, which loads torch for the built-in shapes.
+SIM_GPUS = ("h100-sxm5", "h200", "a100-80gb", "l4", "cpu")
 
 # Caps on sizes a flag or a file can ask for, checked before anything is allocated.
 MAX_NUM_BLOCKS = 1 << 21  # the block manager keeps per-block lists: ~120 MB of bookkeeping at the cap
@@ -65,7 +68,7 @@ class EngineConfig:
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV")
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
-    gpu: str = setting("h100-sxm5", "sim: the catalog GPU", group="sim")
+    gpu: str = setting("h100-sxm5", "sim: the catalog GPU", choices=SIM_GPUS, group="sim")
     tp: int = setting(1, "sim: tensor-parallel degree", group="sim")
     kv_cache_dtype: str = setting("auto", "sim: KV cache element type (auto: the model's activation dtype)",
                                   choices=KV_CACHE_DTYPES, group="sim")
