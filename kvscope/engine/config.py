@@ -22,7 +22,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
 # The sim catalog's GPUs (kvscope.engine.sim.catalog.GPUS; a test keeps the two equal). Named here
 # so the CLI lists them without importing the catalog, which loads torch for the built-in shapes.
-SIM_GPUS = ("h100-sxm5", "h200", "a100-80gb", "l4", "cpu")
+SIM_GPUS = ("h100-sxm5", "h200", "a100-80gb", "a100-pcie-80gb", "a800-80gb", "rtx-4070-laptop", "l40s", "l4", "cpu")
 
 # Caps on sizes a flag or a file can ask for, checked before anything is allocated.
 MAX_NUM_BLOCKS = 1 << 21  # the block manager keeps per-block lists: ~120 MB of bookkeeping at the cap
