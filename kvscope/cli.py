@@ -373,6 +373,7 @@ def _progress_bar(args, options, engine):
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvscope.workload import load_spec
 
+    _check_output_path(args.json)
     if args.host_overhead:
         from kvscope.bench.host_overhead import cmd_host_overhead
 
@@ -383,7 +384,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvscope.bench.anchors import cmd_bench_anchors
 
         return cmd_bench_anchors(args, _write_json)
-    _check_output_path(args.json)
     if not args.preset:
         load_spec(args.workload)
     if args.backend == "sim" or args.preset:
