@@ -79,14 +79,17 @@ def sim_step() -> E.StepEvent:
     return sink.best
 
 
-def per_call_us(fn, arg, number: int) -> float:
-    rounds = []
+def per_call_us(fns: list, args: list, number: int) -> list[float]:
+    """Median per-call time of each fn(arg) over 7 rounds; the fns take turns round by round,
+    so a busy machine slows them alike."""
+    rounds: list[list[float]] = [[] for _ in fns]
     for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn(arg)
-        rounds.append((time.perf_counter() - t0) / number * 1e6)
-    return statistics.median(rounds)
+        for i, (fn, arg) in enumerate(zip(fns, args)):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn(arg)
+            rounds[i].append((time.perf_counter() - t0) / number * 1e6)
+    return [statistics.median(r) for r in rounds]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         assert old.encode(old_ev) == data, f"{name}: wire bytes differ"
         assert new.decode(data) == ev
         n = args.number if ev.type == "step" else max(10, args.number // 20)
+        enc_old, enc_new = per_call_us([old.encode, new.encode], [old_ev, ev], n)
+        dec_old, dec_new = per_call_us([old.decode, new.decode], [data, data], n)
         row = {
             "event": name,
             "running": len(ev.running),
             "bytes": len(data),
-            "encode_us_old": per_call_us(old.encode, old_ev, n),
-            "encode_us_new": per_call_us(new.encode, ev, n),
-            "decode_us_old": per_call_us(old.decode, data, n),
-            "decode_us_new": per_call_us(new.decode, data, n),
+            "encode_us_old": round(enc_old, 1),
+            "encode_us_new": round(enc_new, 1),
+            "decode_us_old": round(dec_old, 1),
+            "decode_us_new": round(dec_new, 1),
         }
         rows.append(row)
     print(f"{'event':36} {'run':>4} {'bytes':>7} {'enc old':>9} {'enc new':>9} {'dec old':>9} {'dec new':>9}  (us)")

@@ -1,15 +1,17 @@
 """How fast the TUI folds events into its state, and whether its memory stays flat.
 
-    python bench/tui_throughput.py [--steps 20000] [--blocks 2048] [--seqs 64] [--app 5]
+    python bench/tui_throughput.py [--steps 20000] [--blocks 2048] [--seqs 64] [--app 5] [--trace FILE]
 
-1. Reducer: feeds N synthetic step events (plus their request/snapshot events)
+1. Reducer: feeds N step events (plus their request/snapshot events)
    through ``kvscope.tui.state.reduce`` and prints steps/s; then, in a second pass
    under tracemalloc, the peak memory after N/4 and after N steps (flat = bounded).
 2. With ``--app S``: runs the Textual app headless for S seconds while a thread
    feeds it events at ``--rate`` steps/s, and prints the steps applied per second,
    repaints per second (must stay <= 30) and the backlog left at the end.
 
-The events come from ``kvscope.tui.synthetic`` (a toy scheduler, not the engine).
+The events come from the real scheduler on the sim backend (virtual clock, Llama 3.1
+8B on an H100, random arrivals at 0.5 requests per step, a burst every 500 steps), or
+from a recorded trace with ``--trace`` (its events, repeated up to ``--steps`` steps).
 """
 
 from __future__ import annotations
@@ -23,15 +25,74 @@ import time
 import tracemalloc
 
 from kvscope.tui.state import new_state, reduce
-from kvscope.tui.synthetic import SyntheticEngine
 
 
 def make_events(steps: int, blocks: int, seqs: int, budget: int, seed: int = 0) -> list:
-    eng = SyntheticEngine(seed=seed, num_blocks=blocks, max_seqs=seqs, budget=budget, arrival_p=0.9,
-                          snapshot_every=256, bursts=tuple(range(100, steps, 500)), burst_size=seqs // 2)
-    events = [eng.hello(), eng.snapshot()]
-    for _ in range(steps):
-        events.extend(eng.step())
+    """A sim-backend run: hello, snapshot, ``steps`` iterations (every event as a subscriber decodes it)."""
+    import random
+
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.errors import KvscopeError
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.sampling_params import SamplingParams
+    from kvscope.protocol import decode, encode
+
+    events: list = []
+
+    class Sink:
+        def publish(self, ev) -> None:
+            events.append(decode(encode(ev)))
+
+        def close(self) -> None:
+            pass
+
+    cfg = EngineConfig(backend="sim", model="llama-3.1-8b", gpu="h100-sxm5", num_blocks=blocks, max_num_seqs=seqs,
+                       max_num_batched_tokens=budget, max_model_len=4096, seed=seed)
+    engine = LLMEngine(cfg, sink=Sink(), snapshot_every=256, snapshot_interval_s=1e12)
+    rng = random.Random(seed)
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(20, 600))]
+            try:
+                engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(8, 200), ignore_eos=True))
+            except KvscopeError:
+                pass
+
+    for i in range(steps):
+        if rng.random() < 0.5:  # a little under what 64 sequences serve: queues stay short
+            add(1)
+        if i % 500 == 100:
+            add(seqs // 2)
+        engine.step()
+    return events
+
+
+def trace_events(path: str, steps: int) -> list:
+    """A recorded trace's events, played again (steps renumbered) until ``steps`` steps."""
+    import msgspec
+
+    from kvscope.traces.reader import TraceReader
+
+    reader = TraceReader(path)
+    body = list(reader)[1:]
+    events: list = [reader.hello]
+    n = 0
+    offset = 0
+    while n < steps:
+        last = offset
+        for ev in body:
+            if ev.type in ("step", "snapshot", "bye"):
+                ev = msgspec.structs.replace(ev, step=ev.step + offset)
+                last = ev.step
+            if ev.type == "bye":
+                continue
+            events.append(ev)
+            if ev.type == "step":
+                n += 1
+                if n >= steps:
+                    break
+        offset = last
     return events
 
 
@@ -68,13 +129,32 @@ def bench_reducer(events: list) -> dict:
     }
 
 
+class FeedSource:
+    """What the app polls: events a feeder thread hands over (this bench's stand-in for a live socket)."""
+
+    connection = "live"
+
+    def __init__(self, events: list) -> None:
+        self.events = list(events)
+        self.pos = 0
+        self._lock = threading.Lock()
+
+    def feed(self, events: list) -> None:
+        with self._lock:
+            self.events.extend(events)
+
+    def poll(self) -> list:
+        with self._lock:
+            out, self.pos = self.events[self.pos:], len(self.events)
+        return out
+
+
 def bench_app(events: list, seconds: float, rate: float) -> dict:
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.sources import ListSource
 
     head = [e for e in events[:2]]
     rest = events[2:]
-    source = ListSource(head, connection="live")
+    source = FeedSource(head)
     stop = threading.Event()
     fed = [0]
 
@@ -129,12 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--app", type=float, default=0.0, metavar="S", help="also run the app headless for S seconds")
     p.add_argument("--rate", type=float, default=1000.0, help="steps/s fed to the app")
+    p.add_argument("--trace", metavar="FILE", help="feed a recorded trace's events instead of a sim run")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    events = make_events(args.steps, args.blocks, args.seqs, args.budget)
+    if args.trace:
+        events = trace_events(args.trace, args.steps)
+    else:
+        events = make_events(args.steps, args.blocks, args.seqs, args.budget)
     print(f"generated {len(events)} events in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    out = {"reducer": bench_reducer(events)}
+    out = {"source": args.trace or "sim", "reducer": bench_reducer(events)}
     print("reducer:", json.dumps(out["reducer"]))
     if args.app:
         out["app"] = bench_app(events, args.app, args.rate)

@@ -8,7 +8,7 @@ from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
 from kvscope.protocol import decode, encode
 from kvscope.protocol.events import FINISH_ABORT, RequestEvent, StepEvent
-from kvscope.traces.blockmap import apply_block_deltas, owners_from_snapshot
+from kvscope.protocol.blockmap import BlockMap
 
 
 class Events:
@@ -63,10 +63,10 @@ def test_abort_running_and_waiting_frees_everything(caching):
     if caching:
         assert last.kv.cached > 0, "with prefix caching the aborted prompts' full blocks stay cached"
     # the block map a watcher rebuilds from deltas ends empty (cached blocks have refcount 0)
-    owners = owners_from_snapshot(next(e for e in sink.events if e.type == "snapshot"))
+    owners = BlockMap.from_snapshot(next(e for e in sink.events if e.type == "snapshot"))
     for step in sink.steps():
-        apply_block_deltas(owners, step)
-    assert set(owners) <= set(engine.block_manager.cached_blocks)
+        owners.apply_step(step)
+    assert set(owners.owners()) <= set(engine.block_manager.cached_blocks)
 
 
 def test_abort_is_idempotent_and_others_keep_running():

@@ -11,7 +11,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.request import RequestStatus
 from kvscope.protocol import decode, encode
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
-from kvscope.traces.blockmap import apply_block_deltas, owners_from_snapshot
+from kvscope.protocol.blockmap import BlockMap
 
 
 class CheckingSink:
@@ -19,7 +19,7 @@ class CheckingSink:
 
     def __init__(self) -> None:
         self.engine: LLMEngine | None = None
-        self.owners: dict[int, int] | None = None
+        self.owners: BlockMap | None = None
         self.events: list = []
         self.checked_steps = 0
         self.checked_snapshots = 0
@@ -28,14 +28,14 @@ class CheckingSink:
         event = decode(encode(event))  # what a subscriber would see
         self.events.append(event)
         if isinstance(event, SnapshotEvent):
-            owners = owners_from_snapshot(event)
+            owners = BlockMap.from_snapshot(event)
             if self.owners is not None:
-                assert owners == self.owners, f"snapshot at step {event.step} disagrees with the deltas"
+                assert owners.owners() == self.owners.owners(), f"snapshot at step {event.step} disagrees"
                 self.checked_snapshots += 1
             self.owners = owners
         elif isinstance(event, StepEvent) and self.owners is not None:
-            apply_block_deltas(self.owners, event)
-            assert self.owners == self._engine_owners(), f"block map diverged at step {event.step}"
+            self.owners.apply_step(event)
+            assert self.owners.owners() == self._engine_owners(), f"block map diverged at step {event.step}"
             sched = self.engine.scheduler
             assert event.running == [r.req_id for r in sched.running]
             assert event.preempted == [r.req_id for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
@@ -74,7 +74,7 @@ def test_block_map_from_deltas_matches_engine_every_step(mode):
     assert sink.checked_snapshots >= 3
     if mode != "static":
         assert engine.num_preemptions > 0, "the run should exercise preemption"
-    assert sink.owners == {}  # everything returned at the end
+    assert sink.owners.owners() == {}  # everything returned at the end
     assert isinstance(sink.events[0], HelloEvent)
     assert sink.events[-1].type == "bye"
 

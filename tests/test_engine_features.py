@@ -17,7 +17,7 @@ from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.policies import Policy
-from kvscope.traces.blockmap import apply_block_deltas, owners_from_snapshot, refcounts_from_snapshot
+from kvscope.protocol.blockmap import BlockMap
 
 MAX_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -45,12 +45,14 @@ def check_clean(llm) -> None:
 def check_stream_blocks(recorder, llm) -> None:
     """Block owners and refcounts rebuilt from the first snapshot + step deltas equal the engine's own."""
     snaps = recorder.of_type("snapshot")
-    owners, refs = owners_from_snapshot(snaps[0]), refcounts_from_snapshot(snaps[0])
+    live = BlockMap.from_snapshot(snaps[0])
     for ev in recorder.of_type("step"):
-        apply_block_deltas(owners, ev, refs)
-    final = llm.engine.snapshot()
-    assert refs == refcounts_from_snapshot(final)
-    assert {b for b, o in owners.items() if o < 0} == {b.block for b in final.blocks if b.refcount == 0}
+        live.apply_step(ev)
+    final = BlockMap.from_snapshot(llm.engine.snapshot())
+    assert live.refcounts() == final.refcounts()
+    assert {b for b, o in live.owners().items() if o < 0} == {b for b, c in final.refcounts().items() if c == 0}
+    # the claimer of every owned or cached block too: a seek to the snapshot shows what live showed
+    assert (live.owner, live.refcount, live.cached) == (final.owner, final.refcount, final.cached)
 
 
 @pytest.mark.parametrize("mode", ["naive", "continuous", "chunked"])

@@ -143,7 +143,7 @@ def test_long_windowed_generation_holds_window_plus_one_block(windowed_models, n
     engine.close()
     assert [outputs[i] for i in ids] == expected
     assert sink.checked_steps == engine.scheduler.step_count and sink.checked_snapshots >= 10
-    assert sink.owners == {}
+    assert sink.owners.owners() == {}
     if uniform:
         assert bound.peak == blocks_needed(window, 16) + 1, "the bound was never reached: nothing was tested"
         # 9 + 7 + 10 blocks of context, at most 3 held each: most were freed while running

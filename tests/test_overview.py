@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes.streams import ChunkedSource, sim_stream
+from tests.fakes.streams import ChunkedSource, drained_sim_stream
 
 
 @pytest.fixture(scope="module")
 def streams():
-    return [sim_stream(seed, requests=24 + 4 * seed, mode=("chunked", "continuous")[seed % 2]) for seed in range(4)]
+    return [drained_sim_stream(seed, requests=24 + 4 * seed, mode=("chunked", "continuous")[seed % 2]) for seed in range(4)]
 
 
 def _feeds(streams, n):

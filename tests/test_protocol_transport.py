@@ -13,7 +13,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from _kvsynth import Synth  # noqa: E402
+from fakes.streams import SimRun  # noqa: E402
 
 from kvscope.protocol import ByeEvent, FanOut, StepEvent  # noqa: E402
 from kvscope.protocol.transport import (  # noqa: E402
@@ -25,7 +25,7 @@ from kvscope.protocol.transport import (  # noqa: E402
     ZmqPublisher,
     check_bind_address,
 )
-from kvscope.traces.blockmap import apply_block_deltas, owners_from_snapshot  # noqa: E402
+from kvscope.protocol.blockmap import BlockMap  # noqa: E402
 
 ANY = "tcp://127.0.0.1:0"
 
@@ -178,7 +178,8 @@ def test_late_subscriber_reaches_same_state():
     and ends with the engine's block map."""
     pub = ZmqPublisher(ANY)
     ctl = ControlServer(ANY)
-    synth = Synth(seed=5)
+    synth = SimRun(seed=5)
+    synth.take()
     stop = threading.Event()
     final = {}
 
@@ -191,13 +192,13 @@ def test_late_subscriber_reaches_same_state():
                 if req.cmd == "snapshot":
                     pub.publish(synth.hello())
                     pub.publish(synth.snapshot())
-                req.reply({"ok": True, "step": synth.step_no})
+                req.reply({"ok": True, "step": synth.done_step})
             for ev in synth.step():
                 pub.publish(ev)
             n += 1
             time.sleep(0.0005)
         final.update(synth.owners())
-        pub.publish(ByeEvent(synth.step_no, synth.t))
+        pub.publish(ByeEvent(synth.done_step, synth.t))
 
     th = threading.Thread(target=engine, daemon=True)
     th.start()
@@ -217,18 +218,18 @@ def test_late_subscriber_reaches_same_state():
             if ev is None:
                 continue
             if ev.type == "snapshot" and owners is None:
-                owners = owners_from_snapshot(ev)
+                owners = BlockMap.from_snapshot(ev)
                 last_step = ev.step
                 stop.set()  # enough: let the engine finish and say bye
             elif ev.type == "step" and owners is not None:
                 assert ev.step == last_step + 1, "lost an event"
-                apply_block_deltas(owners, ev)
+                owners.apply_step(ev)
                 last_step = ev.step
             elif ev.type == "bye" and owners is not None:
                 break
         th.join(10)
         assert owners is not None
-        assert owners == final
+        assert owners.owners() == final
         assert pub.take_dropped() == 0
     finally:
         stop.set()
@@ -305,12 +306,12 @@ def test_control_round_trip(control):
     "cmd,args,fragment",
     [
         ("explode", {}, "unknown command"),
-        ("add", {"n": 2}, "missing argument"),
-        ("add", {"workload": "chat", "n": 0}, "n must be"),
-        ("add", {"workload": "chat", "n": "2"}, "n must be"),
+        ("add", {"n": 2}, "missing required field `workload`"),
+        ("add", {"workload": "chat", "n": 0}, "Expected `int` >= 1 - at `$.n`"),
+        ("add", {"workload": "chat", "n": "2"}, "Expected `int`, got `str` - at `$.n`"),
         ("add", {"workload": "nope", "n": 2}, "unknown workload"),
-        ("pause", {"x": 1}, "unknown argument"),
-        ("burst", {"n": True}, "n must be"),
+        ("pause", {"x": 1}, "unknown field `x`"),
+        ("burst", {"n": True}, "Expected `int`, got `bool` - at `$.n`"),
     ],
 )
 def test_control_rejects_without_reaching_engine(control, cmd, args, fragment):

@@ -7,13 +7,14 @@ import threading
 import time
 
 import pytest
-from _kvsynth import Synth
+from fakes.streams import SimRun
 
 pytest.importorskip("zmq")
 
 from kvscope.protocol import ByeEvent, SnapshotEvent, StepEvent  # noqa: E402
 from kvscope.protocol.transport import ControlServer, ZmqPublisher  # noqa: E402
-from kvscope.traces import TraceReader, apply_block_deltas, owners_from_snapshot  # noqa: E402
+from kvscope.protocol.blockmap import BlockMap  # noqa: E402
+from kvscope.traces import TraceReader  # noqa: E402
 from kvscope.traces.record import record  # noqa: E402
 
 
@@ -21,7 +22,8 @@ from kvscope.traces.record import record  # noqa: E402
 def test_late_recorder_writes_a_replayable_trace(tmp_path, hello_first):
     pub = ZmqPublisher("tcp://127.0.0.1:0")
     ctl = ControlServer("tcp://127.0.0.1:0")
-    synth = Synth(seed=9)
+    synth = SimRun(seed=9)
+    synth.take()
     stop_engine = threading.Event()
     final: dict = {}
     asked = []
@@ -32,7 +34,7 @@ def test_late_recorder_writes_a_replayable_trace(tmp_path, hello_first):
         while not stop_engine.is_set():
             for req in ctl.poll():
                 if req.cmd == "snapshot":
-                    asked.append(synth.step_no)
+                    asked.append(synth.done_step)
                     pair = [synth.hello(), synth.snapshot()]
                     for ev in pair if hello_first else pair[::-1]:
                         pub.publish(ev)
@@ -43,7 +45,7 @@ def test_late_recorder_writes_a_replayable_trace(tmp_path, hello_first):
             if len(asked) >= 3:
                 break  # the recorder got a snapshot and asked for chunk-start ones
         final.update(synth.owners())
-        pub.publish(ByeEvent(synth.step_no, synth.t))
+        pub.publish(ByeEvent(synth.done_step, synth.t))
 
     th = threading.Thread(target=engine, daemon=True)
     th.start()
@@ -67,12 +69,12 @@ def test_late_recorder_writes_a_replayable_trace(tmp_path, hello_first):
     last = None
     for ev in events:
         if isinstance(ev, SnapshotEvent):
-            owners = owners_from_snapshot(ev)
+            owners = BlockMap.from_snapshot(ev)
         elif isinstance(ev, StepEvent):
             assert last is None or ev.step == last + 1
             last = ev.step
-            apply_block_deltas(owners, ev)
-    assert owners == final
+            owners.apply_step(ev)
+    assert owners.owners() == final
     assert len(r.chunks) >= 2
 
 

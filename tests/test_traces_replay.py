@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _kvsynth import make_events
+from fakes.streams import make_events
 
 from kvscope.protocol import ByeEvent, HelloEvent, RequestEvent, SnapshotEvent, StepEvent
 from kvscope.traces.replay import MAX_SPEED, MIN_SPEED, ReplayClock, event_time

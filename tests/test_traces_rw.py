@@ -10,12 +10,13 @@ import zlib
 
 import msgpack
 import pytest
-from _kvsynth import make_events, record_synth
+from fakes.streams import make_events, record_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvscope.protocol import ByeEvent, ProtocolError, SnapshotEvent, StepEvent, encode
-from kvscope.traces import TraceReader, TraceWriter, apply_block_deltas, owners_from_snapshot
+from kvscope.protocol.blockmap import BlockMap
+from kvscope.traces import TraceReader, TraceWriter
 from kvscope.traces import format as F
 from kvscope.traces.info import trace_info
 
@@ -24,7 +25,7 @@ from kvscope.traces.info import trace_info
 def small(tmp_path_factory):
     """A small complete trace: 3+ chunks."""
     path = tmp_path_factory.mktemp("tr") / "small.kvtrace"
-    w, hello, written, truth = record_synth(path, n_steps=14, seed=2, chunk_steps=5)
+    w, hello, written, truth = record_run(path, n_steps=14, seed=2, chunk_steps=5)
     data = path.read_bytes()
     return path, data, hello, written, truth
 
@@ -32,7 +33,7 @@ def small(tmp_path_factory):
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
     path = tmp_path_factory.mktemp("tr") / "medium.kvtrace"
-    w, hello, written, truth = record_synth(path, n_steps=300, seed=7, chunk_steps=16)
+    w, hello, written, truth = record_run(path, n_steps=300, seed=7, chunk_steps=16)
     return path, hello, written, truth
 
 
@@ -40,10 +41,10 @@ def _replay_owners(events):
     owners = None
     for ev in events:
         if isinstance(ev, SnapshotEvent):
-            owners = owners_from_snapshot(ev)
+            owners = BlockMap.from_snapshot(ev)
         elif isinstance(ev, StepEvent):
-            apply_block_deltas(owners, ev)
-    return owners
+            owners.apply_step(ev)
+    return owners.owners()
 
 
 # ----------------------------------------------------------------------------- round trip
@@ -67,8 +68,8 @@ def test_round_trip_and_layout(medium):
 
 
 def test_background_and_inline_writers_write_the_same_bytes(tmp_path):
-    record_synth(tmp_path / "a", n_steps=60, seed=1, chunk_steps=7, background=True)
-    record_synth(tmp_path / "b", n_steps=60, seed=1, chunk_steps=7, background=False)
+    record_run(tmp_path / "a", n_steps=60, seed=1, chunk_steps=7, background=True)
+    record_run(tmp_path / "b", n_steps=60, seed=1, chunk_steps=7, background=False)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
 
 
@@ -149,7 +150,7 @@ def test_writer_ignores_repeated_hello(tmp_path):
 
 def test_killed_writer_loses_at_most_the_open_chunk(tmp_path):
     path = tmp_path / "t"
-    w, hello, written, truth = record_synth(path, n_steps=50, seed=4, chunk_steps=10, close=False,
+    w, hello, written, truth = record_run(path, n_steps=50, seed=4, chunk_steps=10, close=False,
                                             background=False)
     r = TraceReader(path)  # the writer was never closed: no index
     assert not r.complete and r.warnings and "good data ends at byte" in r.warnings[0]
@@ -177,7 +178,7 @@ def test_trace_info(medium):
     path, hello, written, truth = medium
     text = trace_info(path)
     assert "kvtrace v1, protocol v1" in text and "steps:      300 (1..300)" in text
-    assert "warnings:   none" in text and "model=synth" in text and "time span:" in text
+    assert "warnings:   none" in text and "model=qwen3-0.6b" in text and "time span:" in text
     assert "requests:" in text
 
 

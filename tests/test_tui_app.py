@@ -9,14 +9,16 @@ import threading
 import time
 
 import pytest
+from fakes.sources import ListSource, MemoryTrace
+from fakes.streams import SimRun, sim_stream
 
+from kvscope.protocol import decode, encode
 from kvscope.protocol.events import StepEvent
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.palette import CB
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
-from kvscope.tui.sources import ListSource, LiveSource, MemoryTrace, ReplayController
+from kvscope.tui.sources import LiveSource, ReplayController
 from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE
-from kvscope.tui.synthetic import SyntheticEngine, synthetic_events
 from kvscope.tui.widgets import BlockMap, HeaderBar, QueueTable
 
 
@@ -40,7 +42,7 @@ class FixedClock:
 
 @pytest.fixture(scope="module")
 def events():
-    return synthetic_events(400, seed=3, bursts=(100,))
+    return sim_stream(400, seed=3, bursts=(100,))
 
 
 def replay_app(events, **kw):
@@ -152,7 +154,7 @@ async def test_fits_80x24(events):
 @async_test
 async def test_repaints_are_coalesced():
     """Thousands of events a second, at most ~30 repaints a second."""
-    eng = SyntheticEngine(seed=1, arrival_p=0.5)
+    eng = SimRun(seed=1, arrival_p=0.5)
     source = ListSource([eng.hello()], connection="live")
     fed = 1
     batches = [[ev for _ in range(50) for ev in eng.step()] for _ in range(60)]
@@ -185,7 +187,7 @@ class FakeEngine:
     """Stands in for an engine: a PUB queue the subscriber reads, and control replies."""
 
     def __init__(self) -> None:
-        self.eng = SyntheticEngine(seed=4, arrival_p=0.6)
+        self.eng = SimRun(seed=4, arrival_p=0.6)
         self.pub: collections.deque = collections.deque()
         self.up = True
         self.paused = False
@@ -194,12 +196,15 @@ class FakeEngine:
     def subscriber(self, addr):
         engine = self
 
-        class Sub:
-            def recv(self, timeout_ms=100):
+        class Sub:  # the subscriber's frame interface, over the real codec
+            def recv_frame(self, timeout_ms=100):
                 if engine.pub:
-                    return engine.pub.popleft()
-                time.sleep(0.005)
+                    return encode(engine.pub.popleft())
+                time.sleep(min(timeout_ms, 5) / 1000)
                 return None
+
+            def decode_frame(self, data):
+                return decode(data)
 
             def close(self):
                 pass
@@ -232,7 +237,7 @@ class FakeEngine:
             self.pub.extend(self.eng.step())
 
 
-async def wait_until(app, pilot, cond, timeout=3.0):
+async def wait_until(app, pilot, cond, timeout=10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         app.pump()
@@ -287,7 +292,7 @@ async def test_live_mode_survives_late_start_drops_and_restart():
             assert "disconnected" in text_of(app.screen.query_one(HeaderBar))
             # a new engine run: hello, snapshot at step 0, steps from 1
             fake.up = True
-            fake.eng = SyntheticEngine(seed=8)
+            fake.eng = SimRun(seed=8)
             fake.pub.extend([fake.eng.hello(), fake.eng.snapshot()])
             clock.t += 0.1
             fake.run(5)
@@ -298,18 +303,19 @@ async def test_live_mode_survives_late_start_drops_and_restart():
 
 
 @async_test
-async def test_live_backlog_overflow_counts_local_drops():
+async def test_live_backlog_overflow_drops_the_oldest_and_counts_them():
     fake = FakeEngine()
     fake.up = True
     src = LiveSource("tcp://fake:1", None, subscriber_factory=fake.subscriber, max_backlog=10, start=False)
     fake.pub.extend([fake.eng.hello()] + [ev for _ in range(30) for ev in fake.eng.step()])
+    sent = list(fake.pub)
     src.start()
-    deadline = time.monotonic() + 3
-    while fake.pub and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10
+    while src.received < len(sent) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     src.close()
-    assert len(src.poll()) == 10
-    assert src.take_local_dropped() > 0
+    assert src.poll() == sent[-10:]  # the newest kept
+    assert src.take_local_dropped() == len(sent) - 10
 
 
 def _cells(app):

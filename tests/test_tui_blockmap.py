@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from fakes.sources import ListSource
+from fakes.streams import sim_stream
+
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.palette import DEFAULT, owner_color
-from kvscope.tui.sources import ListSource
 from kvscope.tui.state import new_state, reduce_all
-from kvscope.tui.synthetic import synthetic_events
 from kvscope.tui.widgets import BlockMap
 from kvscope.tui.widgets.blockmap import G_CACHED, G_FREE, G_SELECTED, G_SHARED, G_USED, cells_for
 
@@ -39,7 +40,7 @@ def snapshot_and_events_before(events, which: int):
 
 
 def test_cells_equal_snapshot_blocks():
-    events = synthetic_events(600, seed=11, bursts=(50, 250), snapshot_every=40)
+    events = sim_stream(600, seed=11, bursts=(50, 250), snapshot_every=40)
     for which in (2, 5, 9, 13):
         snap, before = snapshot_and_events_before(events, which)
         state = reduce_all(new_state(), before)  # built from deltas only
@@ -54,7 +55,7 @@ def test_cells_equal_snapshot_blocks():
 
 
 def test_aggregation_says_how_many_blocks_per_cell():
-    events = synthetic_events(200, seed=2, num_blocks=500)
+    events = sim_stream(200, seed=2, num_blocks=500)
     state = reduce_all(new_state(), events)
     k, cells = cells_for(state, capacity=100)
     assert k == 5 and len(cells) == 100
@@ -69,7 +70,7 @@ def test_aggregation_says_how_many_blocks_per_cell():
 
 def test_rendered_map_equals_snapshot():
     """Pilot: the characters and colours drawn at step N are the snapshot's blocks."""
-    events = synthetic_events(400, seed=7, bursts=(60,), snapshot_every=50)
+    events = sim_stream(400, seed=7, bursts=(60,), snapshot_every=50)
     snap, before = snapshot_and_events_before(events, 3)
 
     async def run():

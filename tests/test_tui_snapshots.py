@@ -1,4 +1,4 @@
-"""SVG snapshots of the main screens from a deterministic synthetic event stream.
+"""SVG snapshots of the main screens from a deterministic sim-backend event stream.
 
 Update with ``pytest tests/test_tui_snapshots.py --snapshot-update`` after a
 deliberate visual change, and look at the report before committing.
@@ -7,15 +7,16 @@ deliberate visual change, and look at the report before committing.
 from __future__ import annotations
 
 import pytest
+from fakes.sources import ListSource, MemoryTrace
+from fakes.streams import sim_stream
 
 from kvscope.tui.app import KvscopeApp
-from kvscope.tui.sources import ListSource, MemoryTrace, ReplayController
-from kvscope.tui.synthetic import synthetic_events
+from kvscope.tui.sources import ReplayController
 
 
 @pytest.fixture(scope="module")
 def events():
-    return synthetic_events(300, seed=3, bursts=(100, 200), bye=False)
+    return sim_stream(300, seed=3, bursts=(100, 200), bye=False)
 
 
 def dashboard(events, **kw):

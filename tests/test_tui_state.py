@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+from fakes.sources import MemoryTrace
+from fakes.streams import sim_stream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +36,6 @@ from kvscope.protocol.events import (
     StepEvent,
 )
 from kvscope.tui.histogram import LogHistogram
-from kvscope.tui.sources import MemoryTrace
 from kvscope.tui.state import (
     FINISHED_KEEP,
     HISTORY_STEPS,
@@ -44,7 +45,6 @@ from kvscope.tui.state import (
     reduce,
     reduce_all,
 )
-from kvscope.tui.synthetic import SyntheticEngine, synthetic_events
 
 CFG = {"model": "m", "device": "cpu", "mode": "chunked", "policy": "fcfs", "block_size": 16,
        "num_blocks": 32, "max_num_seqs": 4, "max_num_batched_tokens": 256}
@@ -174,18 +174,17 @@ def test_snapshot_replaces_requests_blocks_and_queues():
     assert s.step == 9 and s.last_step == 9
 
 
-def test_block_rules_preempt_reuse_and_legacy_finish_order():
+def test_block_rules_preempt_reuse_and_finish():
     s = reduce_all(new_state(), [hello(), RequestEvent(1, 16, 1, 0, 0.0), RequestEvent(2, 16, 4, 0, 0.0)])
     s = reduce(s, step(1, running=[1], alloc=[BlockAlloc(0, 1)]))
     # request 1 is preempted (block 0 freed) and block 0 goes to request 2 in the same step
     s = reduce(s, step(2, running=[2], preempted=[1], preemptions=[Preemption(1, BLOCKED_KV)],
                       freed=[0], alloc=[BlockAlloc(0, 2)]))
     assert s.blocks.owner[0] == 2 and s.tables == {2: [0]}
-    # Not net (older engine output): request 2 is given block 1 and finishes in the same
-    # step, and block 1 is listed in both alloc and freed. It must end free.
-    s = reduce(s, step(3, running=[], alloc=[BlockAlloc(1, 2)], freed=[0, 1],
-                      finished=[Finish(2, 0.1, 0.1, 4, "length")]))
-    assert s.blocks.owner[:2] == [-1, -1] and s.blocks.refcount[:2] == [0, 0]
+    # Net deltas: request 2 finishes and frees block 0; a block it would have been given
+    # and freed in the same step is in neither list (the old non-net form is not read).
+    s = reduce(s, step(3, running=[], freed=[0], finished=[Finish(2, 0.1, 0.1, 4, "length")]))
+    assert s.blocks.owner[:2] == [-1, -1] and s.blocks.refcount[:2] == [0, 0] and s.tables == {}
 
 
 def test_shared_and_cached_blocks():
@@ -214,7 +213,7 @@ def test_histogram_percentiles_close_to_exact():
 
 
 def test_memory_stays_bounded():
-    events = synthetic_events(2500, seed=2, arrival_p=0.3, num_blocks=64)
+    events = sim_stream(1500, seed=2, arrival_p=0.3, num_blocks=64)
     s = reduce_all(new_state(), events)
     assert s.rejected_count > 0  # prompts that can never fit are refused
     assert len(s.history) == HISTORY_STEPS
@@ -240,7 +239,7 @@ def _check_snapshots_match_deltas(events) -> int:
 
 
 def test_deltas_agree_with_snapshots():
-    events = synthetic_events(1200, seed=1, bursts=(100, 300, 600), snapshot_every=25)
+    events = sim_stream(1200, seed=1, bursts=(100, 300, 600), snapshot_every=25, prefix_caching=True)
     assert _check_snapshots_match_deltas(events) >= 40
     # the stream exercises the awkward cases
     n_pre = sum(len(e.preemptions) for e in events if e.type == "step")
@@ -253,13 +252,13 @@ def test_deltas_agree_with_snapshots():
 @given(seed=st.integers(0, 10_000), blocks=st.integers(24, 80), budget=st.sampled_from([64, 128, 256]),
        seqs=st.integers(2, 10))
 def test_deltas_agree_with_snapshots_property(seed, blocks, budget, seqs):
-    events = synthetic_events(150, seed=seed, num_blocks=blocks, budget=budget, max_seqs=seqs,
-                              snapshot_every=10, bursts=(20,))
+    events = sim_stream(150, seed=seed, num_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                        snapshot_every=10, bursts=(20,), prefix_caching=seed % 2 == 1)
     _check_snapshots_match_deltas(events)
 
 
 def test_replay_seek_equals_live_at_step():
-    events = synthetic_events(400, seed=5, bursts=(50, 200), snapshot_every=64)
+    events = sim_stream(400, seed=5, bursts=(50, 200), snapshot_every=64)
     trace = MemoryTrace(events)
     live = new_state()
     targets = {1, 63, 64, 65, 130, 257, 399}
@@ -271,17 +270,8 @@ def test_replay_seek_equals_live_at_step():
 
 
 def test_reducer_is_deterministic():
-    events = synthetic_events(300, seed=9)
+    events = sim_stream(300, seed=9)
     a = reduce_all(new_state(), events)
     b = reduce_all(new_state(), events)
     assert picture(a) == picture(b)
     assert a.ttft.counts == b.ttft.counts and list(a.history) == list(b.history)
-
-
-def test_synthetic_engine_matches_engine_conventions():
-    eng = SyntheticEngine(seed=0)
-    assert eng.snapshot().step == 0
-    evs = eng.step()
-    assert [e.step for e in evs if e.type == "step"] == [1]
-    ends = [e for e in synthetic_events(5) if isinstance(e, ByeEvent)]
-    assert ends and ends[0].step == 5

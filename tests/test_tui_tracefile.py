@@ -7,17 +7,18 @@ import subprocess
 import sys
 
 import pytest
+from fakes.streams import SimRun
 
 from kvscope.protocol.events import StepEvent
 from kvscope.tui.state import new_state, picture, reduce, reduce_all
-from kvscope.tui.synthetic import SyntheticEngine
 
 
 def write_trace(path, steps: int = 300, seed: int = 3) -> list:
-    """A synthetic run recorded with the TraceWriter; returns the events in file order."""
+    """A sim-backend run recorded with the TraceWriter; returns the events in file order."""
     from kvscope.traces.writer import TraceWriter
 
-    eng = SyntheticEngine(seed=seed, snapshot_every=0, bursts=(60, 180))
+    eng = SimRun(seed=seed, snapshot_every=0, bursts=(60, 180))
+    eng.take()  # the hello and snapshot it opened with: the writer gets its own
     written: list = [eng.hello()]
 
     def provide():
@@ -39,7 +40,7 @@ def write_trace(path, steps: int = 300, seed: int = 3) -> list:
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trace") / "synthetic.kvtrace"
+    path = tmp_path_factory.mktemp("trace") / "sim.kvtrace"
     events = write_trace(str(path))
     return str(path), events
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from kvscope.protocol.deltas import BlockDeltaLog
+from kvscope.protocol.blockmap import BlockJournal, BlockMap
 from kvscope.protocol.events import KvCounters
 
 
@@ -94,14 +94,10 @@ class BlockManager:
         self.tables: dict[int, list[int]] = {}  # per request: the blocks it holds, from its window on
         self.filled: dict[int, int] = {}  # tokens whose KV is written, per request
         self._chains: dict[int, list[int]] = {}  # per request: keys of its full blocks, in order
-        self._log = BlockDeltaLog()  # for `freed` (net over the step)
-        self._appends: list[tuple[int, int]] = []  # (block, req) added to a live table this step, in order
-        self._start_ref: dict[int, int] = {}  # refcount at step start of blocks touched this step
-        # The block map as a watcher rebuilds it from the deltas (docs/PROTOCOL.md): the request
-        # that claimed each block. Snapshots report these owners so seeks equal live.
-        self.view_owner: dict[int, int] = {}
-        self._log_refs: list[tuple[int, int]] = []
-        self._ref_logged: set[int] = set()
+        self._log = BlockJournal()  # every call that changes the block map, net over the step
+        # The block map as a watcher rebuilds it from the deltas (kvscope.protocol.blockmap): the
+        # request that claimed each block. Snapshots report these owners so seeks equal live.
+        self.view = BlockMap(num_blocks, tables=False)
         self._copies: list[tuple[int, int]] = []
         # counters() in O(1): sums over requests of (KV tokens in held blocks, blocks holding them,
         # blocks held). Every change to `tables`, `filled` or `_dropped` goes between
@@ -236,22 +232,12 @@ class BlockManager:
         self._sum_holding += holding
         self._sum_table += length
 
-    def _touch(self, block: int) -> None:
-        if block not in self._start_ref:
-            self._start_ref[block] = self.ref_counts[block]
-
-    def _log_ref(self, block: int, count: int) -> None:
-        self._log_refs.append((block, count))
-        self._ref_logged.add(block)
-
     def _take(self, req_id: int) -> int:
         """A block for req_id: a plain free one, else the least recently released cached one."""
         if self._free:
             block = self._free.popleft()
-            self._touch(block)
         else:
             block, _ = self._evictable.popitem(last=False)
-            self._touch(block)
             key = self.block_hash[block]
             del self._by_hash[key]
             self.block_hash[block] = None
@@ -260,13 +246,9 @@ class BlockManager:
             self._log.free(block)  # it leaves the cache
         self.ref_counts[block] = 1
         self._log.alloc(block, req_id)
-        self._appends.append((block, req_id))
-        if block in self._ref_logged:
-            self._log_ref(block, 1)  # supersedes an earlier count of this step
         return block
 
     def _release(self, block: int) -> None:
-        self._touch(block)
         count = self.ref_counts[block] - 1
         if count < 0:
             raise AssertionError(f"block {block} freed twice")
@@ -274,10 +256,10 @@ class BlockManager:
         if count == 1:
             self._num_shared -= 1
         if count > 0:
-            self._log_ref(block, count)
+            self._log.ref(block, count)
         elif self.block_hash[block] is not None:
             self._evictable[block] = None  # stays cached, most recently released last
-            self._log_ref(block, 0)
+            self._log.ref(block, 0)
         else:
             self._free.append(block)
             self._log.free(block)
@@ -316,15 +298,13 @@ class BlockManager:
                 self.cow_copies += 1
                 table.append(copy)
                 continue
-            self._touch(block)
             count = self.ref_counts[block] + 1
             if count == 1:
                 del self._evictable[block]
             elif count == 2:
                 self._num_shared += 1
             self.ref_counts[block] = count
-            self._appends.append((block, req_id))
-            self._log_ref(block, count)
+            self._log.share(block, req_id, count)
             table.append(block)
         grown = self._grow(req_id, total_tokens)  # can_admit checked that it fits
         self._account(req_id)
@@ -433,37 +413,16 @@ class BlockManager:
         self._dropped.pop(req_id, None)
         if table is None:
             return
-        # its table is gone: what it was given this step is no longer news
-        self._appends = [(b, r) for b, r in self._appends if r != req_id]
+        self._log.drop(req_id)  # its table is gone: what it was given this step is no longer news
         # Release tail first: recently used blocks are handed out last, and a request's
         # tail blocks leave the cache before the prefix blocks others are likelier to share.
         for block in reversed(table):
             self._release(block)
 
     def drain_deltas(self) -> BlockDeltas:
-        _, freed = self._log.take()
-        deltas = BlockDeltas(self._appends, freed, self._log_refs)
-        self._update_view(deltas)
-        self._appends = []
-        self._start_ref = {}
-        self._log_refs = []
-        self._ref_logged = set()
+        deltas = BlockDeltas(*self._log.take())
+        self.view.apply(deltas.alloc, deltas.freed, deltas.refs)
         return deltas
-
-    def _update_view(self, deltas: BlockDeltas) -> None:
-        """Apply the step's deltas to view_owner with the watchers' rules (kvscope.tui.state)."""
-        view = self.view_owner
-        for b in deltas.freed:
-            view.pop(b, None)
-        zeroed = {b for b, c in deltas.refs if c <= 0}
-        claimed: set[int] = set()
-        for b, req in deltas.alloc:
-            if b not in claimed and (b not in view or self._start_ref.get(b, 1) <= 0 or b in zeroed):
-                view[b] = req
-                claimed.add(b)
-        for b, count in self._start_ref.items():
-            if self.ref_counts[b] == 0 and b not in self._evictable:
-                view.pop(b, None)  # plain free at step end
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs (src, dst) made since the last call, to apply before the forward."""

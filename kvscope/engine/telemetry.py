@@ -96,12 +96,14 @@ def request_state(req: Request) -> RequestState:
 
 def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> SnapshotEvent:
     blocks: dict[int, BlockOwner] = {}
-    owner = bm.view_owner  # who a watcher's block map shows as owner (the claimer)
+    owner = bm.view.owner  # who a watcher's block map shows as owner (the claimer), -1 if none
     for req_id, table in bm.tables.items():
         for block in table:
-            blocks.setdefault(block, BlockOwner(block, owner.get(block, req_id), bm.ref_counts[block]))
+            if block not in blocks:
+                o = owner[block]
+                blocks[block] = BlockOwner(block, o if o >= 0 else req_id, bm.ref_counts[block])
     for block in bm.cached_blocks:  # cached: free, refcount 0, still holding a prefix
-        blocks[block] = BlockOwner(block, owner.get(block, -1), 0)
+        blocks[block] = BlockOwner(block, owner[block], 0)
     waiting = [r for r in sched.waiting if r.status is RequestStatus.WAITING]
     preempted = [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
     swapped = [r for r in sched.waiting if r.status is RequestStatus.SWAPPED]

@@ -1,12 +1,13 @@
-"""kvscope.protocol: the event schema (v1), its msgpack codec and event sinks.
+"""kvscope.protocol: the event schema (v1, msgspec Structs), its msgpack codec, the block-map
+rule (:mod:`kvscope.protocol.blockmap`) and event sinks.
 
-The ZeroMQ transport lives in :mod:`kvscope.protocol.transport` and is not imported
-here, so decoding events and reading traces work without pyzmq.
+The ZeroMQ sockets live in :mod:`kvscope.protocol.pubsub` and :mod:`kvscope.protocol.control`
+and are not imported here, so decoding events and reading traces work without pyzmq.
 """
 
 from .codec import ProtocolError, decode, encode
 from .events import *  # noqa: F401,F403
-from .events import EVENT_TYPES, PROTOCOL_VERSION, Event
+from .events import EVENT_TYPES, PROTOCOL_VERSION, EngineInfo, Event
 from .sinks import EventSink, FanOut
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "EventSink",
     "FanOut",
     "HelloEvent",
+    "EngineInfo",
     "RequestEvent",
     "RejectEvent",
     "StepEvent",

@@ -163,17 +163,27 @@ def _pack_default(obj):
 _encoder = msgspec.msgpack.Encoder(enc_hook=_pack_default)
 
 
-def encode(event) -> bytes:
-    """Encode one event as a msgpack map. Raises ProtocolError if it can't."""
+def encode(event, max_size: int = MAX_EVENT_BYTES) -> bytes:
+    """Encode one event as a msgpack map. Raises ProtocolError if it can't, or if the
+    result is one ``decode`` would refuse (over ``max_size``, or an array past its cap):
+    nothing is ever sent or recorded that the reader on the other side cannot read."""
     cls = type(event)
     if cls not in _EVENT_CLASSES:
         raise ProtocolError(f"not a protocol event: {cls.__name__}")
     try:
         if cls is E.SnapshotEvent:
             event = msgspec.structs.replace(event, block_tables=[[k, v] for k, v in event.block_tables.items()])
-        return _encoder.encode(event)
+        data = _encoder.encode(event)
     except Exception as e:  # TypeError, ValueError, OverflowError, AttributeError...
         raise ProtocolError(_trim(f"cannot encode {cls.type} event: {e}")) from None
+    if len(data) > max_size:
+        raise ProtocolError(f"{cls.type} event of {len(data)} bytes exceeds the {max_size}-byte limit")
+    if len(data) > MAX_LIST_LEN:  # only a frame this large can hold an array past the cap: check it
+        try:
+            decode(data, max_size)
+        except ProtocolError as e:
+            raise ProtocolError(_trim(f"cannot encode {cls.type} event: its reader would refuse it ({e})")) from None
+    return data
 
 
 # --------------------------------------------------------------------------- decode

@@ -1,6 +1,5 @@
 """Trace files (.kvtrace): writer, reader, replay clock. No torch, no zmq needed."""
 
-from .blockmap import apply_block_deltas, owners_from_snapshot
 from .reader import ChunkInfo, TraceReader
 from .replay import ReplayClock
 from .summary import TraceSummary
@@ -12,6 +11,4 @@ __all__ = [
     "TraceSummary",
     "ChunkInfo",
     "ReplayClock",
-    "apply_block_deltas",
-    "owners_from_snapshot",
 ]

@@ -33,6 +33,7 @@ from kvscope.tui.state import (
     CONN_LIVE,
     new_state,
     note_local_drop,
+    note_malformed,
     reduce,
     reset_stats,
     set_connection,
@@ -83,6 +84,7 @@ class KvscopeApp(App):
         self._drawn_key = None
         self._last_draw = 0.0
         self._error_shown: str | None = None
+        self._notice_shown = ""
 
     # -- screens --------------------------------------------------------------------
     def get_default_screen(self) -> Screen:
@@ -112,6 +114,13 @@ class KvscopeApp(App):
         take = getattr(src, "take_local_dropped", None)
         if take is not None:
             note_local_drop(st, take())
+        take_bad = getattr(src, "take_malformed", None)
+        if take_bad is not None:
+            n, last = take_bad()
+            note_malformed(st, n, last)
+        if st.notice and st.notice != self._notice_shown:
+            self._notice_shown = st.notice
+            self.notify(st.notice, severity="warning", timeout=10)
         set_connection(st, getattr(src, "connection", st.conn))
         replies = getattr(src, "take_replies", None)
         if replies is not None:

@@ -1,11 +1,8 @@
 """Event sources for the app: anything with ``poll() -> list[Event]`` and ``connection``.
 
-- ``ListSource``: a fixed list of events (tests, screenshots, benchmarks).
 - ``LiveSource``: a ZeroMQ subscriber read on a background thread, plus the control
   channel (requests run on another thread, so the UI never waits on the engine).
 - ``ReplayController``: a trace played against the wall clock, with seek/step/speed.
-- ``MemoryTrace``: a list of events behaving like ``TraceReader`` (hello, iteration,
-  ``seek``) for tests and for traces built in memory.
 
 None of this imports textual, torch or the engine.
 """
@@ -17,7 +14,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
 from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
@@ -25,38 +22,26 @@ from kvscope.tui.latency_seed import LatencyCheckpoints
 
 SPEEDS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
-
-class ListSource:
-    """Hands out a list of events, ``batch`` per poll (all at once by default)."""
-
-    def __init__(self, events: Iterable, *, connection: str = CONN_REPLAY, batch: int | None = None) -> None:
-        self.events = list(events)
-        self.pos = 0
-        self.batch = batch
-        self.connection = connection
-
-    def poll(self) -> list:
-        end = len(self.events) if self.batch is None else min(len(self.events), self.pos + self.batch)
-        out = self.events[self.pos:end]
-        self.pos = end
-        return out
-
-    def feed(self, events: Iterable) -> None:
-        self.events.extend(events)
-
-    def close(self) -> None:
-        pass
+# The live view's memory is bounded in bytes: decoded events waiting for the UI (counted
+# by encoded size; decoded they take a few times that) and raw frames waiting for the decoder.
+MAX_BACKLOG_BYTES = 16 << 20
+MAX_RAW_BYTES = 32 << 20
+RAW_PER_ROUND = 10_000  # frames taken from zmq between two decodes
 
 
 # ------------------------------------------------------------------------------- live
 class LiveSource:
     """Subscribes to an engine's events and talks to its control socket.
 
-    A receiver thread blocks on ``Subscriber.recv`` and appends events to a bounded
-    backlog; ``poll`` (called by the UI timer) drains it. When the backlog is full,
-    new events are dropped and counted in ``take_local_dropped`` (the state is then
-    stale until the next snapshot). A control thread runs requests from a queue;
-    their replies come back through ``take_replies``.
+    A receiver thread takes every frame zmq holds (cheap: no decoding), keeps at most
+    ``max_raw_bytes`` of them, then decodes the oldest one, and goes round again, so
+    zmq's own queue stays short however fast frames come. Decoded events wait in a
+    backlog of at most ``max_backlog_bytes`` (counted by their encoded size) and
+    ``max_backlog`` events; ``poll`` (called by the UI timer) drains it. Whenever a
+    cap is reached the OLDEST frames or events are dropped and counted in
+    ``take_local_dropped`` (the state is then stale until the next snapshot). Frames
+    the decoder refuses are counted in ``take_malformed``. A control thread runs
+    requests from a queue; their replies come back through ``take_replies``.
 
     ``connection``: "live" while events arrive (or the control channel answers, for
     an idle or paused engine), "disconnected" after ``silence_s`` without either,
@@ -72,6 +57,8 @@ class LiveSource:
         *,
         silence_s: float = 2.0,
         max_backlog: int = 200_000,
+        max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+        max_raw_bytes: int = MAX_RAW_BYTES,
         subscriber_factory: Callable[[str], Any] | None = None,
         control_factory: Callable[[str], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -81,11 +68,17 @@ class LiveSource:
         self.control_addr = control_addr
         self.silence_s = silence_s
         self.max_backlog = max_backlog
+        self.max_backlog_bytes = max_backlog_bytes
+        self.max_raw_bytes = max_raw_bytes
         self._clock = clock
         self._subscriber_factory = subscriber_factory
         self._control_factory = control_factory
-        self._backlog: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._backlog: collections.deque = collections.deque()  # (event, encoded size)
+        self._backlog_bytes = 0
         self._local_dropped = 0
+        self._malformed = 0
+        self.last_error: str | None = None  # the decoder's last refusal
         self._replies: collections.deque = collections.deque(maxlen=64)
         self._requests: collections.deque = collections.deque(maxlen=64)
         self._wake = threading.Event()
@@ -117,14 +110,14 @@ class LiveSource:
     def _make_subscriber(self):
         if self._subscriber_factory is not None:
             return self._subscriber_factory(self.events_addr)
-        from kvscope.protocol.transport import Subscriber
+        from kvscope.protocol.pubsub import Subscriber
 
         return Subscriber(self.events_addr)
 
     def _make_control(self):
         if self._control_factory is not None:
             return self._control_factory(self.control_addr)
-        from kvscope.protocol.transport import ControlClient
+        from kvscope.protocol.control import ControlClient
 
         return ControlClient(self.control_addr, timeout_ms=1000)
 
@@ -134,33 +127,60 @@ class LiveSource:
         except Exception as e:  # no zmq, or a malformed address
             self.error = f"cannot subscribe to {self.events_addr}: {e}"
             return
-        backlog = self._backlog
+        raw: collections.deque = collections.deque()
+        raw_bytes = 0
         try:
             while not self._stop.is_set():
-                try:
-                    ev = sub.recv(100)
-                except Exception:  # a closed socket at shutdown, or a transport bug
-                    if self._stop.is_set():
+                # 1. everything zmq holds now (bounded per round), oldest dropped past the cap
+                wait = 0 if raw else 100
+                for _ in range(RAW_PER_ROUND):
+                    try:
+                        data = sub.recv_frame(wait)
+                    except Exception:  # a closed socket at shutdown, or a transport bug
+                        data = None
+                        if not self._stop.is_set():
+                            time.sleep(0.05)
+                    if data is None:
                         break
-                    time.sleep(0.05)
+                    wait = 0
+                    raw.append(data)
+                    raw_bytes += len(data)
+                    while raw_bytes > self.max_raw_bytes and len(raw) > 1:
+                        raw_bytes -= len(raw.popleft())
+                        with self._lock:
+                            self._local_dropped += 1
+                if not raw:
                     continue
+                # 2. decode the oldest frame
+                data = raw.popleft()
+                raw_bytes -= len(data)
+                ev = sub.decode_frame(data)
                 if ev is None:
+                    self._malformed += 1
+                    self.last_error = sub.last_error
                     continue
-                self.received += 1
-                now = self._clock()
-                if self._was_silent:
-                    self._was_silent = False
-                    self.request_snapshot(now)
-                self._last_event = now
-                if len(backlog) >= self.max_backlog:
-                    self._local_dropped += 1
-                else:
-                    backlog.append(ev)
+                self._arrived(ev, len(data))
         finally:
             try:
                 sub.close()
             except Exception:
                 pass
+
+    def _arrived(self, ev, size: int) -> None:
+        self.received += 1
+        now = self._clock()
+        if self._was_silent:
+            self._was_silent = False
+            self.request_snapshot(now)
+        self._last_event = now
+        with self._lock:
+            backlog = self._backlog
+            backlog.append((ev, size))
+            self._backlog_bytes += size
+            while len(backlog) > 1 and (len(backlog) > self.max_backlog or self._backlog_bytes > self.max_backlog_bytes):
+                _, n = backlog.popleft()
+                self._backlog_bytes -= n
+                self._local_dropped += 1
 
     def _control_loop(self) -> None:
         ctl = None
@@ -206,13 +226,21 @@ class LiveSource:
 
     # -- the app side ---------------------------------------------------------------
     def poll(self, limit: int = 50_000) -> list:
-        backlog = self._backlog
-        n = min(len(backlog), limit)
-        return [backlog.popleft() for _ in range(n)]
+        with self._lock:
+            backlog = self._backlog
+            out = [backlog.popleft() for _ in range(min(len(backlog), limit))]
+            self._backlog_bytes -= sum(n for _, n in out)
+        return [ev for ev, _ in out]
 
     def take_local_dropped(self) -> int:
-        n, self._local_dropped = self._local_dropped, 0
+        with self._lock:
+            n, self._local_dropped = self._local_dropped, 0
         return n
+
+    def take_malformed(self) -> tuple[int, str | None]:
+        """(frames the decoder refused since the last call, the last refusal's message)."""
+        n, self._malformed = self._malformed, 0
+        return n, self.last_error
 
     def take_replies(self) -> list[tuple[str, dict, bool]]:
         out = []
@@ -259,43 +287,6 @@ class LiveSource:
 
 
 # ----------------------------------------------------------------------------- replay
-class MemoryTrace:
-    """An in-memory trace with the reader's interface: ``hello``, iteration, ``seek``."""
-
-    def __init__(self, events: Iterable) -> None:
-        evs = list(events)
-        if not evs or not isinstance(evs[0], HelloEvent):
-            raise ValueError("a trace starts with a hello event")
-        self.hello = evs[0]
-        self.events = evs[1:]
-        self.warnings: list[str] = []
-
-    def __iter__(self):
-        yield self.hello
-        yield from self.events
-
-    def seek(self, step: int) -> list:
-        end = -1
-        for k, ev in enumerate(self.events):
-            if type(ev) is StepEvent:
-                if ev.step <= step:
-                    end = k
-                else:
-                    break
-        start = 0
-        for k in range(end, -1, -1):
-            ev = self.events[k]
-            if type(ev) is SnapshotEvent and ev.step <= step:
-                start = k
-                break
-        if end < 0:
-            for k, ev in enumerate(self.events):
-                if type(ev) is SnapshotEvent:
-                    return [ev]
-            return []
-        return self.events[start:end + 1]
-
-
 def _events_after_step(trace, step: int):
     """Events after the step event ``step`` (iter_from when the trace has one)."""
     it_from = getattr(trace, "iter_from", None)
@@ -520,5 +511,5 @@ def open_trace(path: str):
     return TraceReader(path)
 
 
-__all__ = ["ListSource", "LiveSource", "MemoryTrace", "ReplayController", "SPEEDS", "open_trace",
+__all__ = ["LiveSource", "ReplayController", "SPEEDS", "open_trace",
            "CONN_CONNECTING", "CONN_DISCONNECTED", "CONN_LIVE", "CONN_REPLAY"]

@@ -47,6 +47,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     FINISHED,
     PREEMPTED,
@@ -72,6 +73,7 @@ LOG_LEN = 48  # lifecycle entries kept per request
 FINISHED_KEEP = 128  # finished requests kept for the detail screen
 REJECTS_KEEP = 32
 MAX_LIVE_REQUESTS = 100_000  # guard against a stream that never reports finishes
+MAX_TRACKED_BLOCKS = 1 << 18  # per-block memory past this is refused: the map draws this many
 
 # Connection states shown in the header.
 CONN_LIVE, CONN_REPLAY, CONN_DISCONNECTED, CONN_CONNECTING = "live", "replay", "disconnected", "connecting"
@@ -131,28 +133,8 @@ class StepSample:
     out_tokens: int
 
 
-@dataclass(slots=True)
-class BlockPool:
-    """Per-block owner (-1: never held or freed), refcount and cached flag."""
-
-    owner: list[int] = field(default_factory=list)
-    refcount: list[int] = field(default_factory=list)
-    cached: bytearray = field(default_factory=bytearray)
-
-    def ensure(self, n: int) -> None:
-        if n > len(self.owner):
-            k = n - len(self.owner)
-            self.owner.extend([-1] * k)
-            self.refcount.extend([0] * k)
-            self.cached.extend(b"\x00" * k)
-
-    def reset(self, n: int) -> None:
-        self.owner = [-1] * n
-        self.refcount = [0] * n
-        self.cached = bytearray(n)
-
-    def __len__(self) -> int:
-        return len(self.owner)
+def _block_map() -> BlockMap:
+    return BlockMap(limit=MAX_TRACKED_BLOCKS)
 
 
 @dataclass(slots=True)
@@ -171,8 +153,7 @@ class TuiState:
     preempted: list[int] = field(default_factory=list)
     swapped: list[int] = field(default_factory=list)
     admission: Admission = field(default_factory=lambda: Admission(VERDICT_IDLE))
-    blocks: BlockPool = field(default_factory=BlockPool)
-    tables: dict[int, list[int]] = field(default_factory=dict)
+    blocks: BlockMap = field(default_factory=_block_map)  # owners, refcounts, cached flags, tables
     kv: KvCounters = field(default_factory=KvCounters)
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_STEPS))
     ttft: Any = None  # LogHistogram
@@ -189,6 +170,9 @@ class TuiState:
     hit_count: int = 0  # admissions that found a cached prefix
     dropped: int = 0  # events the publisher reported dropped
     local_dropped: int = 0  # events this TUI dropped (backlog overflow)
+    malformed: int = 0  # frames refused by the decoder
+    notice: str = ""  # something about the stream the screen must say (a refused value, a cap)
+    pool_size: int = 0  # the largest pool size the stream claimed
     gaps: int = 0  # jumps in step numbers
     stale: bool = False
     stale_reason: str = ""
@@ -205,9 +189,14 @@ class TuiState:
         if self.itl is None:
             self.itl = LogHistogram(1e-4, 1e2, 6)
         if not self.blocks.owner and self.config is not None and self.config.num_blocks:
-            self.blocks.reset(self.config.num_blocks)
+            _claim_pool(self, self.config.num_blocks, reset=True)
 
     # -- read helpers used by widgets and screens ---------------------------------
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """Each live request's block table, in logical order."""
+        return self.blocks.tables
+
     @property
     def mode(self) -> str:
         return (self.config.mode if self.config is not None else "") or "?"
@@ -329,7 +318,7 @@ def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
         # keep what we have, learn the config.
         state.config = ev.config
         state.wall_start = ev.wall_start
-        state.blocks.ensure(ev.config.num_blocks or 0)
+        _claim_pool(state, ev.config.num_blocks or 0)
         if state.steps_seen == 0 and state.snapshots == 0:
             state.synced = True
         state.version += 1
@@ -339,9 +328,33 @@ def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
     fresh.synced = True
     fresh.dropped = state.dropped
     fresh.local_dropped = state.local_dropped
+    fresh.malformed = state.malformed
     fresh.restarts = state.restarts + (1 if state.steps_seen else 0)
     fresh.version = state.version + 1
     return fresh
+
+
+def note_malformed(state: TuiState, n: int, error: str | None) -> TuiState:
+    """``n`` more frames were refused by the decoder; ``error`` is the last one's message."""
+    if n > 0:
+        state.malformed += n
+        if error:
+            state.notice = f"refused {state.malformed} bad frame(s); last: {error}"
+        state.version += 1
+    return state
+
+
+def _claim_pool(state: TuiState, n: int, reset: bool = False) -> None:
+    """Size the block map for a pool of ``n`` blocks, within MAX_TRACKED_BLOCKS."""
+    if n > state.pool_size:
+        state.pool_size = n
+        if n > MAX_TRACKED_BLOCKS:
+            state.notice = (f"KV pool of {n:,} blocks is larger than this screen tracks: "
+                            f"the map shows the first {MAX_TRACKED_BLOCKS:,}, the counters all")
+    if reset:
+        state.blocks.reset(n)
+    else:
+        state.blocks.ensure(n)
 
 
 def _mark_stale(state: TuiState, reason: str) -> None:
@@ -408,7 +421,6 @@ def _bye(state: TuiState, ev: ByeEvent) -> None:
 
 def _clear_live(state: TuiState) -> None:
     state.requests.clear()
-    state.tables.clear()
     state.running = []
     state.waiting = []
     state.preempted = []
@@ -443,8 +455,8 @@ def _step(state: TuiState, ev: StepEvent) -> None:
 
     state.admission = ev.admission
     state.kv = ev.kv
-    if ev.kv.total:
-        state.blocks.ensure(ev.kv.total)
+    if ev.kv.total > len(state.blocks):
+        _claim_pool(state, ev.kv.total)
 
     # Preemptions happen at schedule time, before this step's allocations.
     for pe in ev.preemptions:
@@ -525,25 +537,11 @@ def _step(state: TuiState, ev: StepEvent) -> None:
                 r = _placeholder(state, req)
             r.state = st
 
-    freed_set = set(ev.freed) if ev.finished and ev.freed else ()
-    if freed_set and ev.refs:
-        # a block with a RefChange this step has an explicit count: shared or cached, not free
-        freed_set = freed_set - {rc.block for rc in ev.refs}
     for f in ev.finished:
         state.finished_count += 1
         r = state.requests.get(f.req)
         if r is None:
             continue
-        if freed_set:
-            # The engine frees a finished request's blocks after this step's
-            # allocations: a block it was given this step and that is in ``freed``
-            # ends free, although ``freed`` was applied before ``alloc``.
-            pool = state.blocks
-            for b in state.tables.get(f.req, ()):
-                if b in freed_set and pool.owner[b] == f.req:
-                    pool.owner[b] = -1
-                    pool.refcount[b] = 0
-                    pool.cached[b] = 0
         r.state = FINISHED
         r.ttft = f.ttft if r.ttft is None else r.ttft
         r.e2e = f.e2e
@@ -559,55 +557,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
 
 
 def _apply_blocks(state: TuiState, ev: StepEvent) -> None:
-    pool = state.blocks
-    top = -1
-    for b in ev.freed:
-        top = max(top, b)
-    for a in ev.alloc:
-        top = max(top, a.block)
-    for rc in ev.refs:
-        top = max(top, rc.block)
-    if top >= len(pool):
-        pool.ensure(top + 1)
-    owner, refc, cached = pool.owner, pool.refcount, pool.cached
-    freed = ev.freed
-    for b in freed:
-        owner[b] = -1
-        refc[b] = 0
-        cached[b] = 0
-    # refs are absolute counts in the order they happened; the last one per block
-    # wins. A block that dropped to 0 during the step and is allocated again
-    # belongs to the first request that allocates it.
-    final: dict[int, int] = {}
-    zeroed: set[int] = set()
-    for rc in ev.refs:
-        final[rc.block] = rc.refcount
-        if rc.refcount <= 0:
-            zeroed.add(rc.block)
-    claimed: set[int] = set()
-    tables = state.tables
-    for a in ev.alloc:
-        b = a.block
-        if b not in claimed and (owner[b] < 0 or refc[b] <= 0 or b in zeroed):
-            owner[b] = a.req
-            refc[b] = 1
-            claimed.add(b)
-        elif owner[b] != a.req:
-            refc[b] += 1  # provisional; a RefChange gives the exact count
-        cached[b] = 0
-        tbl = tables.get(a.req)
-        if tbl is None:
-            tables[a.req] = [b]
-        else:
-            tbl.append(b)
-    if final:
-        for b, v in final.items():
-            if v > 0:
-                refc[b] = v
-                cached[b] = 0
-            else:
-                refc[b] = 0
-                cached[b] = 1
+    state.blocks.apply_step(ev, max_table=MAX_TRACKED_BLOCKS, max_tables=MAX_LIVE_REQUESTS)
 
 
 def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
@@ -622,16 +572,10 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
     state.waiting = list(ev.waiting)
     state.preempted = list(ev.preempted)
     state.swapped = list(ev.swapped)
-    n = max(ev.kv.total, (state.config.num_blocks or 0) if state.config is not None else 0, len(state.blocks))
-    if ev.blocks:
-        n = max(n, max(bo.block for bo in ev.blocks) + 1)
-    state.blocks.reset(n)
-    owner, refc, cached = state.blocks.owner, state.blocks.refcount, state.blocks.cached
-    for bo in ev.blocks:
-        owner[bo.block] = bo.req
-        refc[bo.block] = max(0, bo.refcount)
-        cached[bo.block] = 1 if bo.refcount <= 0 else 0
-    state.tables = {int(k): list(v) for k, v in ev.block_tables.items()}
+    if ev.kv.total > state.pool_size:
+        _claim_pool(state, ev.kv.total)
+    n = max((state.config.num_blocks or 0) if state.config is not None else 0, len(state.blocks))
+    state.blocks.load_snapshot(ev, n)
     chunk = state.chunk_size()
     chunked = state.mode == "chunked"
     for rs in ev.requests:

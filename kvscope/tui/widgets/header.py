@@ -70,6 +70,10 @@ class HeaderBar(StateWidget):
         dropped = st.dropped + st.local_dropped
         bot.append("│ drop ", style=pal.dim)
         bot.append(f"{dropped} ", style=f"bold {pal.bad}" if dropped else pal.dim)
+        if st.malformed:
+            bot.append(f"bad {st.malformed} ", style=f"bold {pal.bad}")
+        if st.notice:
+            bot.append(f"⚠ {st.notice} ", style=f"bold {pal.warn}")
         if st.stale:
             bot.append(" STALE until next snapshot ", style=f"bold black on {pal.warn}")
             if st.stale_reason:
