@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 
+from fakes.sources import ListSource
+
 from kvscope import workload as wl
 from kvscope.analysis.cli import _ListSink
 from kvscope.analysis.signals import StepLog
@@ -13,7 +15,6 @@ from kvscope.engine.llm_engine import LLMEngine
 from kvscope.serve.driver import ServeOptions, Server
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.screens import DiagnosisScreen
-from kvscope.tui.sources import ListSource
 from kvscope.tui.state import CONN_LIVE
 
 
