@@ -41,6 +41,10 @@ def test_recorded_frames_re_encode_byte_for_byte():
             continue
         # recorded before requests had a source: the same, plus that field at its default
         back, orig = msgpack.unpackb(again), msgpack.unpackb(data)
+        if back["type"] == "hello":  # recorded before the engine's config moved gpu_memory_utilization
+            assert back == orig and list(back["config"]) != list(orig["config"])  # same map, key order only
+            changed.add("hello")
+            continue
         if back["type"] == "request":
             assert back.pop("source") == ""
         else:
@@ -48,7 +52,7 @@ def test_recorded_frames_re_encode_byte_for_byte():
             assert all(rs.pop() == "" for rs in back["requests"])
         assert back == orig
         changed.add(back["type"])
-    assert changed <= {"request", "snapshot"}
+    assert changed <= {"hello", "request", "snapshot"}
 
 
 @pytest.mark.parametrize("backend", ["sim", "model"])

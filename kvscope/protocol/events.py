@@ -190,10 +190,10 @@ class EngineInfo(Struct, kw_only=True):
     swap_space: Float | None = None  # GiB of CPU memory for swapped-out KV
     cpu_threads: Count | None = None
     enforce_eager: bool = False
+    gpu_memory_utilization: Float | None = None
     gpu: Name | UnsetType = UNSET  # sim: catalog GPU
     tp: Count | UnsetType = UNSET  # sim: tensor-parallel degree
     kv_cache_dtype: Name | UnsetType = UNSET
-    gpu_memory_utilization: Float | None = None
     sim_efficiency: Annotated[dict[Name, Float], Meta(max_length=64)] | None | UnsetType = UNSET
     sim_pace: Float | None | UnsetType = UNSET
     attention: Name = ""  # the attention implementation
