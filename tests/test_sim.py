@@ -231,7 +231,6 @@ def test_calibrated_cpu_trace_reproduces_throughput_and_ttft():
     assert r["gpu"] == "cpu" and r["model"] == "tiny"
     assert abs(r["error"]["output_tok_per_s"]) < 0.10
     assert abs(r["error"]["ttft_p50_s"]) < 0.10
-    assert r["sim_speed"]["virtual_over_wall"] > 10
 
 
 # ---- bench and CLI --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ HELP = """\
   ?                 this help          ctrl+p  command palette
   c                 colour-blind-safe palette on/off
   r                 reset histograms   q / ctrl+q  quit
+  d                 diagnosis: the bottleneck now, and the knob to turn
 
 [b]Live[/b]  (kvscope tui / kvscope demo)
   b  burst of requests    l  one long prompt    space  pause/resume engine
