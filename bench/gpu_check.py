@@ -235,7 +235,7 @@ class Check:
     def e2e(self, args) -> None:
         from dataclasses import replace
 
-        from kvscope.bench.modes import _row, _warm_up
+        from kvscope.bench.harness import mode_row, warm_up
         from kvscope.bench.peers import PEERS
         from kvscope.engine.config import EngineConfig
         from kvscope.engine.llm_engine import LLMEngine
@@ -263,7 +263,7 @@ class Check:
             engine = LLMEngine(config)
             log(f"  chunked: engine ready in {time.perf_counter() - t0:.1f}s ({engine.num_blocks} KV blocks, "
                 f"attention {engine.runner.ops.name}, cuda graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'})")
-            _warm_up(engine)
+            warm_up(engine)
             trace_dir = self.out_dir if self.dry else args.trace_dir
             os.makedirs(trace_dir, exist_ok=True)
             trace_path = os.path.join(trace_dir, "gpu-h200-chunked.kvtrace" if "H200" in str(self.result["gpu"])
@@ -274,10 +274,9 @@ class Check:
             server.run(items)
             engine.close()
             writer.close()
-            row = _row("chunked", server.metrics, engine.num_preemptions, engine.mean_kv_waste,
-                       {"steps": engine.scheduler.step_count, "num_blocks": engine.num_blocks,
-                        "cuda_graphs": getattr(engine.runner, "graphs", None) is not None,
-                        "attention": engine.runner.ops.name})
+            row = mode_row("chunked", engine, server, num_blocks=engine.num_blocks,
+                           cuda_graphs=getattr(engine.runner, "graphs", None) is not None,
+                           attention=engine.runner.ops.name).to_dict()
             rows.append(row)
             self.result["trace"] = {"path": trace_path, "bytes": os.path.getsize(trace_path)}
             log(f"  chunked: {row['output_tok_per_s']:.1f} output tok/s, {row['steps']} steps; "
@@ -292,7 +291,7 @@ class Check:
             if name not in names:
                 continue
             try:
-                row = PEERS[name](peer_config, items)
+                row = PEERS[name](peer_config, items).to_dict()
                 rows.append(row)
                 log(f"  {name}: {row['output_tok_per_s']:.1f} output tok/s")
             except Exception as e:

@@ -262,6 +262,7 @@ def _serve(args, config: EngineConfig, publisher, control, front) -> int:
     from kvscope.serve.driver import ServeOptions, Server
 
     engine = LLMEngine(config)
+    print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
     front = front(engine) if front else None
     sinks = ([front.sink] if front else []) + ([publisher] if publisher is not None else [])
     if args.record:
@@ -381,39 +382,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.fit and args.anchors is None:
         raise UsageError("--fit goes with --anchors")
     if args.anchors is not None:  # always on the sim: the published runs' table (docs/SIM.md)
-        from kvscope.bench.anchors import cmd_bench_anchors
-
-        return cmd_bench_anchors(args, _write_json)
+        return _bench_anchors(args)
     if not args.preset:
         load_spec(args.workload)
+    from kvscope.bench.report import write_json
+
     if args.backend == "sim" or args.preset:
-        from kvscope.bench.sim import cmd_bench_sim
+        from kvscope.bench import sim as sim_bench
 
-        config = None if args.preset else _engine_config(args)
-        args.modes = ",".join(args.modes)
-        return cmd_bench_sim(args, config, _write_json)
+        if args.preset:
+            result = sim_bench.run_preset(args.preset, _explicit_sim_overrides(args))
+        else:
+            result = sim_bench.run_sim_bench(_engine_config(args), load_spec(args.workload),
+                                             num_requests=args.num_requests, modes=list(args.modes))
+        sim_bench.print_result(result)
+    else:
+        from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
-    from kvscope.bench.modes import BenchOptions, print_table, run_bench
-    from kvscope.bench.peers import PEERS
-
-    bad = [p for p in args.peers if p not in PEERS]
-    if bad:
-        raise UsageError(f"unknown peer {bad[0]!r} (choose from {', '.join(PEERS)})")
-    options = BenchOptions(workload=args.workload, num_requests=args.num_requests, modes=args.modes,
-                           peers=args.peers, events=args.events_overhead)
-    result = run_bench(_engine_config(args), options)
-    print_table(result)
+        options = BenchOptions(workload=args.workload, num_requests=args.num_requests, modes=args.modes,
+                               peers=args.peers, events=args.events_overhead)
+        result = run_bench(_engine_config(args), options)
+        print_table(result)
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 0
 
 
+def _bench_anchors(args: argparse.Namespace) -> int:
+    """`kvscope bench --backend sim --anchors [FILE] [--fit] [--sim-efficiency F] [--json F]`."""
+    from kvscope.bench.report import write_json
+
+    path = args.anchors if isinstance(args.anchors, str) else None
+    if args.fit:
+        from kvscope.bench.anchor_fit import fit, print_fit
+
+        result = fit(path, log=lambda msg: print(msg, file=sys.stderr))
+        print_fit(result)
+    else:
+        from kvscope.bench.anchors import print_anchors, run_anchors
+
+        eff = _explicit_sim_overrides(args).get("sim_efficiency")  # one set for every anchor
+        result = run_anchors(path, eff, log=print)
+        print_anchors(result)
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _explicit_sim_overrides(args: argparse.Namespace) -> dict:
+    """Sim flags given on the command line on top of a preset (their argparse defaults are None)."""
+    keys = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if isinstance(overrides.get("sim_efficiency"), str):  # the flag names a file
+        from kvscope.engine.sim.backend import load_efficiency
+
+        overrides["sim_efficiency"] = load_efficiency(overrides["sim_efficiency"])
+    return overrides
+
+
 def cmd_bench_features(args: argparse.Namespace) -> int:
-    from kvscope.bench import features
+    from kvscope.bench.features import experiment, table
+    from kvscope.bench.report import write_json
 
     _check_output_path(args.json)
-    args.experiments = ",".join(args.experiments)
-    return features.main(args)
+    results = []
+    for name in args.experiments:
+        results.append(experiment(name, model=args.model, device=args.device, scale=args.scale, seed=args.seed))
+        print(table(results[-1]) + "\n", flush=True)
+    if args.json:
+        write_json(args.json, {"results": results})
+    return 0
 
 
 # ---- watchers ---------------------------------------------------------------------------
@@ -570,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.set_defaults(func=cmd_bench)
 
-    from kvscope.bench.features import EXPERIMENTS
+    from kvscope.bench import FEATURE_EXPERIMENTS as EXPERIMENTS
 
     p = sub.add_parser("bench-features", help="prefix caching on/off, priority vs fcfs, swap vs recompute")
     p.add_argument("--experiments", type=_comma_list(EXPERIMENTS, "experiment"), default=list(EXPERIMENTS),

@@ -95,7 +95,9 @@ def _check_writable(path: str | None) -> None:
 def _race_inputs(args, engine_config):
     """(base config, requests, device, workload name, default modes, sim?) as bench would pick them."""
     from kvscope import workload as wl
-    from kvscope.bench.sim import load_preset, preset_overrides, sim_workload
+    from kvscope.bench.preset import load_preset
+    from kvscope.bench.sim import sim_workload
+    from kvscope.cli import _explicit_sim_overrides as preset_overrides
     from kvscope.engine.config import EngineConfig
 
     if args.preset:

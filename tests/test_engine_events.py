@@ -125,11 +125,11 @@ def test_rejected_request_is_published_and_others_continue():
 
 
 def test_event_overhead_bench_records_a_readable_trace():
-    from kvscope.bench.modes import BenchOptions, _workload
     from kvscope.bench.events import measure_event_overhead
+    from kvscope.bench.harness import bench_workload
 
     config = EngineConfig(mode="chunked", num_blocks=256)
-    items = _workload(config, BenchOptions(workload="chat", num_requests=4), 260, frozenset({256}))
+    items = bench_workload(config, "chat", 4, 260, frozenset({256}), max_prompt_len=2048)
     result = measure_event_overhead(config, items, rounds=1)
     assert result["bytes_per_step"] > 0  # steps were read back from the recorded trace
     assert result["trace_bytes_per_1000_steps"] > 0

@@ -102,8 +102,9 @@ def test_gpu_settings_are_validated(bad):
 
 
 def test_kv_budget_arithmetic_with_a_real_dummy_forward(monkeypatch):
-    """kv_cache_budget_bytes on CPU with torch.cuda's memory queries faked: the dummy forward really runs."""
-    from kvscope.engine import cuda_graphs
+    """cuda_kv_budget on CPU with torch.cuda's memory queries faked: the runner's worst-case step really runs."""
+    from kvscope.engine import kv_sizing
+    from kvscope.engine.model_runner import ModelRunner
     from kvscope.engine.models import load_model
 
     gib = 1 << 30
@@ -114,13 +115,25 @@ def test_kv_budget_arithmetic_with_a_real_dummy_forward(monkeypatch):
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     loaded = load_model("tiny", torch.float32, "cpu")
-    budget = cuda_graphs.kv_cache_budget_bytes(
-        loaded, torch.device("cpu"), torch.float32, block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
-        gpu_memory_utilization=0.9, cuda_graphs=True)
+    steps = []
+
+    def make_runner(num_blocks):
+        runner = ModelRunner(loaded, device=torch.device("cpu"), dtype=torch.float32, num_blocks=num_blocks,
+                             block_size=16)
+        run = runner.run
+        runner.run = lambda out, params: steps.append(out) or run(out, params)
+        return runner
+
+    budget = kv_sizing.cuda_kv_budget(
+        make_runner, torch.device("cpu"), max_len=loaded.max_position_embeddings, block_size=16,
+        max_num_batched_tokens=24, max_num_seqs=4, gpu_memory_utilization=0.9, cuda_graphs=True).bytes
     # 0.9 x 80 GiB - 10 GiB resident - 2 GiB activation peak - the graph pool reserve
-    assert budget == int(80 * gib * 0.9) - 10 * gib - 2 * gib - cuda_graphs.GRAPH_MEMORY_RESERVE
+    assert budget == int(80 * gib * 0.9) - 10 * gib - 2 * gib - kv_sizing.GRAPH_MEMORY_RESERVE
     assert calls == ["reset"]
-    eager = cuda_graphs.kv_cache_budget_bytes(
-        loaded, torch.device("cpu"), torch.float32, block_size=16, max_num_batched_tokens=24, max_num_seqs=4,
-        gpu_memory_utilization=0.1, cuda_graphs=False)
+    # the profiled step is the worst the scheduler can build: the whole token budget, max_num_seqs sampling
+    (step,) = steps
+    assert step.num_tokens == 24 and len(step.seqs) == 4 and all(s.sample for s in step.seqs)
+    eager = kv_sizing.cuda_kv_budget(
+        make_runner, torch.device("cpu"), max_len=loaded.max_position_embeddings, block_size=16,
+        max_num_batched_tokens=24, max_num_seqs=4, gpu_memory_utilization=0.1, cuda_graphs=False).bytes
     assert eager == 0  # less than nothing left: clamped

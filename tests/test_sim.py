@@ -115,11 +115,11 @@ def _sim_config(**kw) -> EngineConfig:
 
 @pytest.mark.parametrize("mode", ["naive", "static", "continuous", "chunked"])
 def test_sim_run_is_deterministic_and_drains(mode):
-    from kvscope.bench.modes import run_mode
+    from kvscope.bench.harness import run_config
 
     results = []
     for _ in range(2):
-        engine, server = run_mode(_sim_config(mode=mode), _items(20))
+        engine, server = run_config(_sim_config(mode=mode), _items(20))
         assert not engine.has_unfinished()
         s = server.summary()
         assert s.requests == 20 and s.output_tokens == sum(12 + i % 3 for i in range(20))
@@ -281,9 +281,9 @@ def test_calibrate_cli_and_efficiency_file(tmp_path, capsys):
 
 
 def test_sim_swap_preemption_bills_copies():
-    from kvscope.bench.modes import run_mode
+    from kvscope.bench.harness import run_config
 
-    engine, server = run_mode(_sim_config(preemption="swap", num_blocks=30), _items(16, prompt=60, out=30))
+    engine, server = run_config(_sim_config(preemption="swap", num_blocks=30), _items(16, prompt=60, out=30))
     assert engine.num_preemptions > 0 and engine.swapper.blocks_copied > 0
     assert server.summary().requests == 16
 

@@ -8,6 +8,7 @@ import statistics
 import tempfile
 import time
 
+from kvscope.bench.harness import run_config
 from kvscope.engine.config import EngineConfig
 from kvscope.protocol.codec import encode
 from kvscope.protocol.events import (
@@ -28,8 +29,6 @@ def _free_tcp_addr() -> str:
 
 
 def _tok_per_s(config: EngineConfig, items, watched: bool, trace_path: str) -> tuple[float, int]:
-    from kvscope.bench.modes import run_mode
-
     sinks: list = []
 
     def watch(engine):
@@ -42,7 +41,7 @@ def _tok_per_s(config: EngineConfig, items, watched: bool, trace_path: str) -> t
                              TraceWriter(trace_path, engine.hello(), snapshot_provider=engine.snapshot)]))
         return sinks[0]
 
-    engine, server = run_mode(config, items, make_sink=watch if watched else None)
+    engine, server = run_config(config, items, make_sink=watch if watched else None)
     for sink in sinks:
         sink.close()
     return server.summary().output_tok_per_s, engine.scheduler.step_count
@@ -96,3 +95,9 @@ def measure_event_overhead(config: EngineConfig, items, rounds: int = 2) -> dict
         "bytes_per_step_256": len(encode(big)),
         "trace_bytes_per_1000_steps": trace_bytes / max(steps, 1) * 1000,
     }
+
+
+def summary_line(e: dict) -> str:
+    return (f"events: kept {e['kept_fraction'] * 100:.1f}% of tok/s with events+recording on; "
+            f"{e['bytes_per_step']:.0f} B/step; encode {e['encode_us_per_step_256']:.0f} us/step at 256 running; "
+            f"{e['trace_bytes_per_1000_steps'] / 1024:.1f} KiB trace per 1000 steps")

@@ -12,20 +12,28 @@ traffic (same seed, same arrival times), each pair differing in one setting:
   cache): throughput, preemptions, tokens recomputed, blocks swapped.
 
 Arrivals follow wall-clock time as in ``kvscope serve``; sizes default to what the
-tiny model handles on a laptop CPU in about a minute per experiment.
+tiny model handles on a laptop CPU in about a minute per experiment. Percentiles are
+nearest-rank, as in every bench table.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope import workload as wl
+from kvscope.bench import FEATURE_EXPERIMENTS
+from kvscope.bench.report import markdown_table
+from kvscope.engine.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, EngineConfig, Mode
+from kvscope.engine.errors import KvscopeError
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.quantiles import percentile
+from kvscope.serve.driver import reserved_top_ids
 
-EXPERIMENTS = ("shared-prefix", "priority", "swap")
+EXPERIMENTS = FEATURE_EXPERIMENTS
 
 
 @dataclass
@@ -47,16 +55,14 @@ class RunResult:
     by_priority: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile in ms (the one definition, docs/QUANTILES.md)."""
-    v = percentile(values, q)
-    return None if v is None else v * 1000
+def _ms(values: list[float], q: float) -> float | None:
+    """The q-th nearest-rank percentile in ms (the one definition, docs/QUANTILES.md)."""
+    p = percentile(values, q)
+    return None if p is None else p * 1000
 
 
 def _drive(engine, items) -> tuple[list, float]:
     """Submit items at their arrival offsets (wall clock) and step until all finish."""
-    from kvscope.engine.sampling_params import SamplingParams
-
     items = sorted(items, key=lambda it: it.arrival)
     done = []
     i = 0
@@ -76,19 +82,16 @@ def _drive(engine, items) -> tuple[list, float]:
 
 
 def run_one(label: str, make_items, base: dict[str, Any], settings: dict[str, Any]) -> RunResult:
-    from kvscope.engine.config import EngineConfig
-    from kvscope.engine.llm_engine import LLMEngine
-
     engine = LLMEngine(EngineConfig(**{**base, **settings}))
     # the same traffic for every run: generated from the seed for this model's vocabulary
-    done, duration = _drive(engine, make_items(engine.loaded.vocab_size))
+    done, duration = _drive(engine, make_items(engine.loaded))
     sched, bm = engine.scheduler, engine.block_manager
     ttft = [r.ttft for r in done if r.ttft is not None]
     out_tokens = sum(r.num_output_tokens for r in done)
     by_prio: dict[str, dict[str, float | int | None]] = {}
     for p in sorted({r.priority for r in done}):
         t = [r.ttft for r in done if r.priority == p and r.ttft is not None]
-        by_prio[str(p)] = {"requests": len(t), "ttft_p50_ms": _pct(t, 50), "ttft_p99_ms": _pct(t, 99)}
+        by_prio[str(p)] = {"requests": len(t), "ttft_p50_ms": _ms(t, 50), "ttft_p99_ms": _ms(t, 99)}
     return RunResult(
         label=label,
         settings=settings,
@@ -96,8 +99,8 @@ def run_one(label: str, make_items, base: dict[str, Any], settings: dict[str, An
         output_tokens=out_tokens,
         duration_s=duration,
         output_tok_per_s=out_tokens / duration if duration > 0 else 0.0,
-        ttft_p50_ms=_pct(ttft, 50),
-        ttft_p99_ms=_pct(ttft, 99),
+        ttft_p50_ms=_ms(ttft, 50),
+        ttft_p99_ms=_ms(ttft, 99),
         preemptions=engine.num_preemptions,
         steps=sched.step_count,
         hit_rate=bm.hit_rate,
@@ -109,17 +112,23 @@ def run_one(label: str, make_items, base: dict[str, Any], settings: dict[str, An
 
 
 def _items(spec, num_requests: int, seed: int, max_prompt_len: int):
-    from kvscope import workload as wl
+    def make(loaded) -> list[wl.WorkloadRequest]:
+        return wl.generate(spec, vocab_size=loaded.vocab_size, num_requests=num_requests, seed=seed,
+                           max_prompt_len=max_prompt_len,
+                           reserved_ids=reserved_top_ids(loaded.vocab_size, loaded.eos_token_ids))
 
-    return lambda vocab: wl.generate(spec, vocab_size=vocab, num_requests=num_requests, seed=seed,
-                                     max_prompt_len=max_prompt_len, reserved_ids=8)
+    return make
+
+
+def check_experiments(names: list[str]) -> None:
+    bad = [n for n in names if n not in EXPERIMENTS]
+    if bad:
+        raise KvscopeError(f"unknown experiment {bad[0]!r} (choose from {', '.join(EXPERIMENTS)})")
 
 
 def experiment(name: str, *, model: str = "tiny", device: str = "cpu", scale: float = 1.0,
                seed: int = 0) -> dict[str, Any]:
-    from kvscope import workload as wl
-
-    base: dict[str, Any] = dict(model=model, device=device, mode="chunked", seed=seed)
+    base: dict[str, Any] = dict(model=model, device=device, mode=Mode.CHUNKED, seed=seed)
     n = lambda k: max(4, int(k * scale))  # noqa: E731
     if name == "shared-prefix":
         spec = copy.deepcopy(wl.PRESETS["shared-prefix"])
@@ -145,56 +154,36 @@ def experiment(name: str, *, model: str = "tiny", device: str = "cpu", scale: fl
                                output_len=wl.LengthDist.uniform(96, 192))
         items = _items(spec, n(40), seed, 400)
         base.update(num_blocks=64, max_num_seqs=16)
-        runs = [run_one("recompute", items, base, dict(preemption="recompute")),
-                run_one("swap", items, base, dict(preemption="swap", swap_space=1.0))]
+        runs = [run_one(PREEMPT_RECOMPUTE, items, base, dict(preemption=PREEMPT_RECOMPUTE)),
+                run_one(PREEMPT_SWAP, items, base, dict(preemption=PREEMPT_SWAP, swap_space=1.0))]
         what = spec.describe() + "; 64 KV blocks of 16 tokens, max_num_seqs 16"
     else:
-        raise ValueError(f"unknown experiment {name!r} (choose from {', '.join(EXPERIMENTS)})")
+        check_experiments([name])
     return {"experiment": name, "workload": what, "engine": base, "runs": [r.__dict__ for r in runs]}
 
 
-def _ms(v) -> str:
+def _cell(v) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
 def table(result: dict[str, Any]) -> str:
     name, runs = result["experiment"], result["runs"]
-    lines = [f"## {name}: {result['workload']}", ""]
     if name == "shared-prefix":
-        lines += ["| setting | TTFT p50 ms | TTFT p99 ms | output tok/s | hit rate | CoW copies |",
-                  "|---|---|---|---|---|---|"]
-        for r in runs:
-            lines.append(f"| {r['label']} | {_ms(r['ttft_p50_ms'])} | {_ms(r['ttft_p99_ms'])} | "
-                         f"{r['output_tok_per_s']:.0f} | {r['hit_rate']:.0%} | {r['cow_copies']} |")
+        header = ("setting", "TTFT p50 ms", "TTFT p99 ms", "output tok/s", "hit rate", "CoW copies")
+        rows = [(r["label"], _cell(r["ttft_p50_ms"]), _cell(r["ttft_p99_ms"]), f"{r['output_tok_per_s']:.0f}",
+                 f"{r['hit_rate']:.0%}", str(r["cow_copies"])) for r in runs]
     elif name == "priority":
-        lines += ["| policy | high prio TTFT p50 / p99 ms | low prio TTFT p50 / p99 ms | output tok/s | preemptions |",
-                  "|---|---|---|---|---|"]
+        header = ("policy", "high prio TTFT p50 / p99 ms", "low prio TTFT p50 / p99 ms", "output tok/s",
+                  "preemptions")
+        rows = []
         for r in runs:
             hi, lo = r["by_priority"].get("1", {}), r["by_priority"].get("0", {})
-            lines.append(f"| {r['label']} | {_ms(hi.get('ttft_p50_ms'))} / {_ms(hi.get('ttft_p99_ms'))} | "
-                         f"{_ms(lo.get('ttft_p50_ms'))} / {_ms(lo.get('ttft_p99_ms'))} | "
-                         f"{r['output_tok_per_s']:.0f} | {r['preemptions']} |")
+            rows.append((r["label"], f"{_cell(hi.get('ttft_p50_ms'))} / {_cell(hi.get('ttft_p99_ms'))}",
+                         f"{_cell(lo.get('ttft_p50_ms'))} / {_cell(lo.get('ttft_p99_ms'))}",
+                         f"{r['output_tok_per_s']:.0f}", str(r["preemptions"])))
     else:
-        lines += ["| preemption | output tok/s | duration s | preemptions | tokens recomputed | blocks swapped out |"
-                  " TTFT p99 ms |", "|---|---|---|---|---|---|---|"]
-        for r in runs:
-            lines.append(f"| {r['label']} | {r['output_tok_per_s']:.0f} | {r['duration_s']:.1f} | {r['preemptions']} | "
-                         f"{r['recomputed_tokens']} | {r['swapped_out_blocks']} | {_ms(r['ttft_p99_ms'])} |")
-    return "\n".join(lines)
-
-
-def main(args) -> int:
-    names = [n.strip() for n in args.experiments.split(",") if n.strip()]
-    bad = [n for n in names if n not in EXPERIMENTS]
-    if bad:
-        raise ValueError(f"unknown experiment {bad[0]!r} (choose from {', '.join(EXPERIMENTS)})")
-    results = []
-    for name in names:
-        res = experiment(name, model=args.model, device=args.device, scale=args.scale, seed=args.seed)
-        results.append(res)
-        print(table(res), flush=True)
-        print(flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results}, f, indent=1)
-    return 0
+        header = ("preemption", "output tok/s", "duration s", "preemptions", "tokens recomputed",
+                  "blocks swapped out", "TTFT p99 ms")
+        rows = [(r["label"], f"{r['output_tok_per_s']:.0f}", f"{r['duration_s']:.1f}", str(r["preemptions"]),
+                 str(r["recomputed_tokens"]), str(r["swapped_out_blocks"]), _cell(r["ttft_p99_ms"])) for r in runs]
+    return f"## {name}: {result['workload']}\n\n" + markdown_table(header, rows)

@@ -6,37 +6,25 @@ import time
 from typing import Callable
 
 import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
+from kvscope.bench.harness import Row
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.llm_engine import resolve_device, resolve_dtype
-from kvscope.engine.metrics import mean, percentile
-from kvscope.engine.models import BUILTIN_SHAPES, build_builtin
+from kvscope.engine.model_backend import default_cpu_threads, resolve_device, resolve_dtype
+from kvscope.engine.models import build_builtin
+from kvscope.engine.shapes import BUILTIN_SHAPES
 
 
 def _hf_model(config: EngineConfig):
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu":  # the thread count kvscope's rows ran with
+        torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     if config.model in BUILTIN_SHAPES:
         model = build_builtin(config.model, dtype=dtype, device=str(device), seed=config.seed)
     else:
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True).to(device)
     return model.eval(), device
-
-
-def _row(name: str, ttft: list[float], itl: list[float], tokens: int, span: float, kv_waste=None) -> dict:
-    return {
-        "name": name,
-        "output_tok_per_s": tokens / span if span > 0 else 0.0,
-        "ttft_mean_s": mean(ttft),
-        "ttft_p99_s": percentile(ttft, 99),
-        "itl_p99_s": percentile(itl, 99),
-        "preemptions": None,
-        "kv_waste": kv_waste,
-        "output_tokens": tokens,
-        "duration_s": span,
-    }
 
 
 class _StepClock:
@@ -51,10 +39,8 @@ class _StepClock:
 
 
 @torch.inference_mode()
-def hf_static(config: EngineConfig, items) -> dict:
+def hf_static(config: EngineConfig, items) -> Row:
     """generate() on padded static batches of max_num_seqs, in arrival order, until the longest ends."""
-    from transformers import LogitsProcessorList
-
     model, device = _hf_model(config)
     pad = model.generation_config.pad_token_id if model.generation_config.pad_token_id is not None else 0
     ttft: list[float] = []
@@ -81,14 +67,12 @@ def hf_static(config: EngineConfig, items) -> dict:
             used += len(it.prompt) + it.max_tokens
         reserved += len(batch) * (width + longest)
     span = time.perf_counter() - start
-    return _row("hf-static", ttft, itl, tokens, span, kv_waste=1 - used / reserved if reserved else None)
+    return Row.from_samples("hf-static", ttft, itl, tokens, span, kv_waste=1 - used / reserved if reserved else None)
 
 
 @torch.inference_mode()
-def hf_generate_batch(config: EngineConfig, items) -> dict:
+def hf_generate_batch(config: EngineConfig, items) -> Row:
     """transformers' continuous batching: the manager behind generate_batch, with per-request max_new_tokens."""
-    from transformers import GenerationConfig
-
     model, device = _hf_model(config)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(it.max_tokens for it in items),
                            eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
@@ -111,7 +95,7 @@ def hf_generate_batch(config: EngineConfig, items) -> dict:
     ttft = [o.timestamps[0] - start for o in results.values() if o.timestamps]
     itl = [b - a for o in results.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
     tokens = sum(len(o.generated_tokens) for o in results.values())
-    return _row("hf-generate-batch", ttft, itl, tokens, span)
+    return Row.from_samples("hf-generate-batch", ttft, itl, tokens, span)
 
 
-PEERS: dict[str, Callable] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch}
+PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch}

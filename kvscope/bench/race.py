@@ -55,7 +55,7 @@ def plan(config: EngineConfig, modes: list[str], policies: list[str]) -> list[Ra
 def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: bool = True,
              log=print) -> list[dict]:
     """Run each plan over ``items``, recording ``out_dir/<label>-<name>.kvtrace``; returns bench rows."""
-    from kvscope.bench.modes import mode_row, run_mode
+    from kvscope.bench.harness import mode_row, run_config
     from kvscope.bench.sim import sim_row
     from kvscope.traces.writer import TraceWriter
 
@@ -72,13 +72,13 @@ def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: 
         bar = _bar(len(items), f"[race {k + 1}/{len(runs)}] {run.name}", progress)
         wall = time.perf_counter()
         try:
-            engine, server = run_mode(run.config, items, make_sink=record, on_progress=bar.update)
+            engine, server = run_config(run.config, items, make_sink=record, on_progress=bar.update)
         finally:
             bar.close()
             for w in writers:
                 w.close()
         wall = time.perf_counter() - wall
-        row = sim_row(run.name, engine, server, wall) if sim else mode_row(run.name, engine, server)
+        row = (sim_row(run.name, engine, server, wall) if sim else mode_row(run.name, engine, server)).to_dict()
         row["trace"] = path
         rows.append(row)
         log(f"[race] {run.label} {run.name}: {row['output_tok_per_s']:.1f} tok/s -> {path}", file=sys.stderr)

@@ -16,56 +16,49 @@ from random import Random
 
 import msgspec
 
+from kvscope import workload as wl
+from kvscope.bench.harness import Row, bench_workload, mode_row, model_info, run_config
 from kvscope.bench.preset import load_preset
-from kvscope.engine.config import EngineConfig
+from kvscope.bench.report import rows_table
+from kvscope.engine.config import MODES, EngineConfig
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.sim import catalog
+from kvscope.engine.sim.cost import CostModel
+
 
 # ---- the four modes on the sim -------------------------------------------------------------
 def sim_workload(config: EngineConfig, spec, num_requests: int | None, max_prompt_len: int | None,
                  keep_arrivals: bool = False):
-    from kvscope import workload as wl
-    from kvscope.engine.llm_engine import LLMEngine
+    """The sim bench's requests: all at t=0 unless keep_arrivals (then the workload's own arrival times)."""
+    vocab, eos, _ = model_info(config)
+    return bench_workload(config, spec, num_requests, vocab, eos, max_prompt_len, at_once=not keep_arrivals)
 
-    probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
-    vocab = probe.loaded.vocab_size
-    items = wl.generate(spec, vocab_size=vocab, num_requests=num_requests, seed=config.seed,
-                        max_prompt_len=max_prompt_len, reserved_ids=1)
-    return items if keep_arrivals else [replace(item, arrival=0.0) for item in items]
+
+def sim_row(name: str, engine, server, wall: float) -> Row:
+    """One sim bench row: bench's columns plus p50s and the simulator's own speed (also `kvscope race`'s)."""
+    steps = engine.scheduler.step_count
+    summary = server.summary()
+    return mode_row(name, engine, server, ttft_p50_s=summary.ttft_p50_s, itl_p50_s=summary.itl_p50_s,
+                    num_blocks=engine.num_blocks, sim_wall_s=wall, sim_steps_per_s=steps / wall if wall else None)
 
 
 def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> list[dict]:
-    from kvscope.bench.modes import run_mode
-
     rows = []
     for mode in modes:
         log(f"[bench sim] {mode} ...", file=sys.stderr)
         wall = time.perf_counter()
-        engine, server = run_mode(replace(config, mode=mode), items)
-        wall = time.perf_counter() - wall
-        rows.append(sim_row(mode, engine, server, wall))
+        engine, server = run_config(replace(config, mode=mode), items)
+        rows.append(sim_row(mode, engine, server, time.perf_counter() - wall).to_dict())
     return rows
-
-
-def sim_row(name: str, engine, server, wall: float) -> dict:
-    """One sim bench row (also what `kvscope race --backend sim` reports for a run)."""
-    from kvscope.bench.modes import _row
-
-    steps = engine.scheduler.step_count
-    summary = server.summary()
-    return _row(name, server.metrics, engine.num_preemptions, engine.mean_kv_waste, {
-        "steps": steps, "ttft_p50_s": summary.ttft_p50_s, "itl_p50_s": summary.itl_p50_s,
-        "num_blocks": engine.num_blocks, "sim_wall_s": wall, "sim_steps_per_s": steps / wall if wall else None,
-    })
 
 
 def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None, modes: list[str] | None = None,
                   max_prompt_len: int | None = None, log=print) -> dict:
-    modes = modes or ["naive", "static", "continuous", "chunked"]
+    modes = modes or list(MODES)
     items = sim_workload(config, spec, num_requests, max_prompt_len)
     wall = time.perf_counter()
     rows = run_sim_modes(config, items, modes, log)
     wall = time.perf_counter() - wall
-    from kvscope.engine.llm_engine import LLMEngine
-
     hello = LLMEngine(config).hello().config.as_dict()
     steps = sum(r["steps"] for r in rows)
     return {
@@ -86,8 +79,6 @@ def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None
 
 
 def run_lesson(preset: dict, overrides: dict | None = None, log=print) -> dict:
-    from kvscope import workload as wl
-
     config = EngineConfig(**{**preset["engine"], **(overrides or {})})
     spec = wl.parse_spec(preset["workload"])
     result = run_sim_bench(config, spec, modes=preset.get("modes"), log=log)
@@ -145,11 +136,7 @@ def print_speed(result: dict) -> None:
 
 # ---- fragmentation: reserved vs paged KV --------------------------------------------------
 def run_fragmentation(preset: dict) -> dict:
-    from kvscope.engine.sim import catalog
-    from kvscope.engine.sim.cost import CostModel
-    from kvscope.workload import LengthDist
-
-    dist = LengthDist(**preset["output_len"])
+    dist = wl.LengthDist(**preset["output_len"])
     rng = Random(f"kvscope.fragmentation/{preset.get('seed', 0)}")
     n = preset["num_requests"]
     prompt = preset.get("prompt_tokens", 0)
@@ -208,38 +195,20 @@ def print_fragmentation(r: dict) -> None:
               f"~{b['concurrent_paged_mean']} paged")
 
 
-# ---- command ---------------------------------------------------------------------------------
-def cmd_bench_sim(args, engine_config, write_json) -> int:
-    """`kvscope bench --backend sim ...` and `kvscope bench --preset NAME`."""
-    from kvscope.bench.modes import print_table
+# ---- presets ---------------------------------------------------------------------------------
+def run_preset(name: str, overrides: dict | None = None, log=print) -> dict:
+    """`kvscope bench --preset NAME`: lesson (the four modes against the lesson's figures) or
+    fragmentation (reserved vs paged KV, no engine run). overrides: engine settings given on the command line."""
+    preset = load_preset(name)
+    if preset.kind == "fragmentation":
+        return run_fragmentation(msgspec.to_builtins(preset.data))
+    return run_lesson(msgspec.to_builtins(preset.data), overrides, log)
 
-    preset = load_preset(args.preset) if args.preset else None
-    if preset is not None and preset.kind == "fragmentation":
-        result = run_fragmentation(msgspec.to_builtins(preset.data))
+
+def print_result(result: dict) -> None:
+    if result.get("preset") == "fragmentation":
         print_fragmentation(result)
-    elif preset is not None:
-        result = run_lesson(msgspec.to_builtins(preset.data), preset_overrides(args))
-        print_table(result)
-        print_comparison(result)
-        print_speed(result)
-    else:
-        from kvscope import workload as wl
-
-        spec = wl.load_spec(args.workload)
-        result = run_sim_bench(engine_config, spec, num_requests=args.num_requests, modes=args.modes.split(","))
-        print_table(result)
-        print_speed(result)
-    if args.json:
-        write_json(args.json, result)
-    return 0
-
-
-def preset_overrides(args) -> dict:
-    """Sim flags given on the command line on top of a preset (their argparse defaults are None)."""
-    keys = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency")
-    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    if isinstance(overrides.get("sim_efficiency"), str):  # the flag names a file
-        from kvscope.engine.sim.backend import load_efficiency
-
-        overrides["sim_efficiency"] = load_efficiency(overrides["sim_efficiency"])
-    return overrides
+        return
+    print(rows_table(result))
+    print_comparison(result)
+    print_speed(result)

@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvscope.engine.errors import KvscopeError
+from kvscope.protocol.events import MODES, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPTION_MODES, Mode
 
-MODES = ("naive", "static", "continuous", "chunked")
 POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.md)
-PREEMPTION_MODES = ("recompute", "swap")
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
@@ -63,6 +62,8 @@ class EngineConfig:
     preemption: str = setting("recompute", "what a preempted request loses: recompute its KV, or swap it to CPU",
                               choices=PREEMPTION_MODES)
     swap_space: float = setting(4.0, "CPU memory for swapped-out KV, in GiB", metavar="GIB")
+    kv_cache_space: float | None = setting(None, "CPU: GiB for the KV cache (default: half of the available memory, "
+                                                 "at most 4)", metavar="GIB")
     cpu_threads: int | None = setting(None, "torch threads on CPU (default: half the cores, leaving room for "
                                             "watchers)")
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
@@ -101,6 +102,8 @@ class EngineConfig:
             _check_int("num_blocks", self.num_blocks, 1, MAX_NUM_BLOCKS)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2, MAX_TOKENS_PER_STEP)
+        if self.kv_cache_space is not None:
+            _check_number("kv_cache_space", self.kv_cache_space, 1e-6, MAX_SWAP_SPACE_GIB, "GiB")
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 4096)
         gmu = self.gpu_memory_utilization
@@ -113,7 +116,7 @@ class EngineConfig:
             from kvscope.engine.sim.backend import validate_sim_config
 
             validate_sim_config(self)
-        elif self.preemption == "swap":
+        elif self.preemption == PREEMPT_SWAP:
             host = host_memory_bytes()
             if host is not None and self.swap_space * GiB > host:
                 raise KvscopeError(f"swap_space {self.swap_space:g} GiB is more than this machine's memory "
@@ -121,7 +124,7 @@ class EngineConfig:
 
     @property
     def effective_max_num_seqs(self) -> int:
-        return 1 if self.mode == "naive" else self.max_num_seqs
+        return 1 if self.mode == Mode.NAIVE else self.max_num_seqs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

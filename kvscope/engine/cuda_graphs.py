@@ -1,11 +1,6 @@
-"""The GPU path's two start-up jobs: KV sizing from profiled memory, and CUDA graphs for decode steps.
+"""CUDA graphs for decode steps (KV sizing, the GPU path's other start-up job, is in kv_sizing.py).
 
-KV sizing (`kv_cache_budget_bytes`): run one dummy forward of
-max_num_batched_tokens tokens, note the activation peak, and give the KV cache
-what remains of gpu_memory_utilization x total memory after everything already
-resident (weights, CUDA context, other processes) and that peak.
-
-Decode graphs (`DecodeGraphs`): a decode-only step launches a few hundred small
+A decode-only step launches a few hundred small
 kernels per forward, so its CPU launch cost can exceed its GPU time. The whole
 forward is captured once per batch size in CAPTURE_SIZES (up to max_num_seqs),
 over static input and metadata buffers; a step pads its batch to the nearest
@@ -27,8 +22,6 @@ from kvscope.engine import attention
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.kernels import AttentionMetadata
 
-GRAPH_MEMORY_RESERVE = 256 << 20  # bytes kept back for the graphs' private memory pool
-
 
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 256, then every 32; always ending at max_batch."""
@@ -39,47 +32,6 @@ def capture_sizes(max_batch: int) -> list[int]:
         s += 8 if s < 256 else 32
     sizes.append(max_batch)
     return sizes
-
-
-@torch.inference_mode()
-def kv_cache_budget_bytes(loaded, device: torch.device, dtype: torch.dtype, *, block_size: int,
-                          max_num_batched_tokens: int, max_num_seqs: int, gpu_memory_utilization: float,
-                          cuda_graphs: bool) -> int:
-    """Bytes the KV cache may take: util x total, less what is resident and the profiled activation peak."""
-    from kvscope.kernels import select_attention_ops
-
-    model = loaded.model
-    attention.install(model)
-    n = max(1, min(max_num_batched_tokens, loaded.max_position_embeddings))
-    nblocks = -(-n // block_size)
-    kv = torch.zeros(loaded.num_layers, 2, nblocks, block_size, loaded.num_kv_heads, loaded.head_dim, dtype=dtype,
-                     device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(nblocks, dtype=torch.int32, device=device)[None],
-        block_size=block_size, query_lens_host=[n], seq_lens_host=[n],
-    )
-    ids = torch.zeros(1, n, dtype=torch.long, device=device)
-    pos = torch.arange(n, dtype=torch.long, device=device)[None]
-    keep = torch.arange(n - min(n, max_num_seqs), n, dtype=torch.long, device=device)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    ctx = attention.ForwardContext(kv, meta, select_attention_ops("cuda"))
-    with attention.forward_context(ctx):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
-    logits.float().softmax(-1)  # the sampler's working copy
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del logits, kv, ctx
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    resident = total - free  # weights, CUDA context, library workspaces, other processes
-    budget = int(total * gpu_memory_utilization) - resident - peak - (GRAPH_MEMORY_RESERVE if cuda_graphs else 0)
-    return max(0, budget)
 
 
 class DecodeGraphs:

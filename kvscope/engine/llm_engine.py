@@ -2,51 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Protocol
 
-import torch
-
 from kvscope.engine import telemetry
+from kvscope.engine.backends import Backend, create_backend
 from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.clock import WallClock
-from kvscope.engine.config import MAX_NUM_BLOCKS, EngineConfig, host_memory_bytes
+from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
 from kvscope.engine.errors import KvscopeError, RequestRejected
-from kvscope.engine.model_runner import ModelRunner
-from kvscope.engine.models import load_model
+from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
-from kvscope.engine.swap import KvSwapper
 from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
-
-CPU_KV_CACHE_BYTES = 256 << 20  # default KV budget on CPU when num_blocks is not given
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EventSink(Protocol):
     def publish(self, event) -> None: ...
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise KvscopeError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KvscopeError("device 'cuda' requested but no CUDA GPU is available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise KvscopeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
-    return DTYPES[name]
 
 
 class _ParamsOf:
@@ -66,40 +38,27 @@ class LLMEngine:
                  snapshot_interval_s: float = 2.0) -> None:
         config.validate()
         self.config = config
-        self.sim = None  # backend "sim": kvscope.engine.sim.backend.SimBackend
-        if config.backend == "sim":
-            from kvscope.engine.sim.backend import SimBackend
-
-            self.sim = SimBackend(config)
-            self.device, self.dtype, self.loaded = self.sim.device, self.sim.dtype, self.sim.loaded
-        else:
-            self.device = resolve_device(config.device)
-            self.dtype = resolve_dtype(config.dtype, self.device)
-            if self.device.type == "cpu":
-                # Oversubscribed OpenMP threads spin-wait: with the dashboard or event threads on the
-                # same cores, a step can take 10-50x longer. Leave them a core.
-                torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) // 2))
-            self.loaded = load_model(config.model, self.dtype, str(self.device), seed=config.seed)
+        self.backend: Backend = create_backend(config)
+        self.device, self.dtype, self.loaded = self.backend.device, self.backend.dtype, self.backend.model
         self.tokenizer = self.loaded.tokenizer
-        num_blocks = config.num_blocks or self._auto_num_blocks()
-        self._check_kv_fits(num_blocks)
+        block_bytes = self.backend.kv_block_bytes(config.block_size)
+        if config.num_blocks:
+            self.kv_budget = KvBudget(int(config.num_blocks * block_bytes), "num_blocks")
+            self.backend.check_kv_fits(self.kv_budget.bytes)  # before the cache is allocated
+            num_blocks = config.num_blocks
+        else:
+            self.kv_budget = self.backend.kv_budget()
+            num_blocks = min(MAX_NUM_BLOCKS, num_blocks_for(self.kv_budget, block_bytes))
+        self.kv_cache_bytes = int(num_blocks * block_bytes)
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
-        window = getattr(getattr(self.loaded, "attention", None), "uniform_window", None)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching,
-                                          sliding_window=window)
-        num_cpu_blocks = self._num_swap_blocks() if config.preemption == "swap" else 0
+                                          sliding_window=self.loaded.attention.uniform_window)
+        num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
-        self.runner = self.sim.runner if self.sim else ModelRunner(
-            self.loaded, device=self.device, dtype=self.dtype, num_blocks=num_blocks,
-            block_size=config.block_size, scratch_tokens=self.max_model_len if config.mode == "static" else 0,
-            seed=config.seed,
-        )
-        if self.sim is None and self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_cuda_graphs(config.effective_max_num_seqs, self.max_model_len)
+        self.runner = self.backend.make_runner(num_blocks, self.max_model_len)
         # swap-out / copy-on-write / swap-in copies, applied before each forward
-        self.swapper = (self.sim.swapper(num_cpu_blocks) if self.sim
-                        else KvSwapper(self.runner.kv_cache, num_cpu_blocks))
+        self.swapper = self.backend.make_swapper(self.runner, num_cpu_blocks)
         self.sink: EventSink | None = None
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
@@ -108,8 +67,7 @@ class LLMEngine:
         self._to_abort: list[tuple[int, str]] = []  # (req_id, reason), applied at the start of the next step
         self.reset_counters()
         self.wall_start = time.time()
-        # wall time starts once the model is loaded; the sim runs on its own virtual clock
-        self.clock = self.sim.clock if self.sim is not None else WallClock()
+        self.clock = self.backend.make_clock()  # wall time starts once the model is loaded
         if sink is not None:
             self.attach(sink)
 
@@ -120,38 +78,6 @@ class LLMEngine:
         sink.publish(self.snapshot())
 
     # ---- sizing --------------------------------------------------------------
-    def _auto_num_blocks(self) -> int:
-        if self.sim is not None:
-            return min(MAX_NUM_BLOCKS, self.sim.num_blocks(self.config.block_size))
-        per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            from kvscope.engine.cuda_graphs import kv_cache_budget_bytes
-
-            c = self.config
-            budget = kv_cache_budget_bytes(
-                self.loaded, self.device, self.dtype, block_size=c.block_size,
-                max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.effective_max_num_seqs,
-                gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-        return min(MAX_NUM_BLOCKS, max(1, budget // per_block))
-
-    def _check_kv_fits(self, num_blocks: int) -> None:
-        """An explicit num_blocks is checked against the device's memory before the cache is allocated."""
-        if self.sim is not None or self.config.num_blocks is None:
-            return
-        need = num_blocks * ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
-        have = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host_memory_bytes()
-        if have is not None and need > have:
-            raise KvscopeError(f"num_blocks {num_blocks} needs {need / (1 << 30):.1f} GiB of KV cache; "
-                               f"{self.device} has {have / (1 << 30):.1f} GiB")
-
-    def _num_swap_blocks(self) -> int:
-        if self.sim is not None:
-            return self.sim.num_swap_blocks(self.config.block_size)
-        per_block = ModelRunner.kv_bytes_per_block(self.loaded, self.config.block_size, self.dtype)
-        return int(self.config.swap_space * (1 << 30)) // per_block
-
     def _max_model_len(self, capacity_tokens: int) -> int:
         limit = self.loaded.max_position_embeddings
         wanted = self.config.max_model_len
@@ -169,17 +95,15 @@ class LLMEngine:
 
     def hello(self) -> HelloEvent:
         config = self.config.to_dict()
-        config.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                      num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-                      attention=self.runner.ops.name, preemption_mode=self.config.preemption)
-        if self.sim is not None:
-            config.update(self.sim.hello_info())
-        else:  # the sim's settings mean nothing to a real run; keep them out of its traces
-            for key in ("gpu", "tp", "kv_cache_dtype", "sim_efficiency", "sim_pace"):
-                config.pop(key, None)
-            if self.device.type == "cuda":  # lets `kvscope calibrate` find the GPU in the sim catalog
-                config["device_name"] = torch.cuda.get_device_name(self.device)
-        return HelloEvent(PROTOCOL_VERSION, config, self.wall_start)
+        config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+                      kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name,
+                      preemption_mode=self.config.preemption)
+        return HelloEvent(PROTOCOL_VERSION, self.backend.hello_config(config), self.wall_start)
+
+    def describe_kv_cache(self) -> str:
+        """One line for start-up: the KV cache's size and how it was chosen."""
+        return (f"KV cache {self.kv_cache_bytes / GiB:.2f} GiB on {self.device}: {self.num_blocks} blocks of "
+                f"{self.config.block_size} tokens ({self.kv_budget.how})")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -13,6 +13,7 @@ import torch
 from kvscope.engine import attention
 from kvscope.engine.block_manager import blocks_needed
 from kvscope.engine.inputs import InputBuilder
+from kvscope.engine.kv_sizing import zeroed_cpu_tensor
 from kvscope.engine.models import LoadedModel
 from kvscope.engine.sampler import Sampler
 from kvscope.engine.sampling_params import SamplingParams
@@ -30,20 +31,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_scratch_blocks = blocks_needed(scratch_tokens, block_size)
-        self.kv_cache = torch.zeros(
-            loaded.num_layers, 2, num_blocks + self.num_scratch_blocks, block_size, loaded.num_kv_heads,
-            loaded.head_dim, dtype=dtype, device=device,
-        )
+        shape = (loaded.num_layers, 2, num_blocks + self.num_scratch_blocks, block_size, loaded.num_kv_heads,
+                 loaded.head_dim)
+        # On CPU the pool's pages are committed as blocks are first written, not all at start-up.
+        self.kv_cache = (zeroed_cpu_tensor(shape, dtype) if device.type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=device))
         self.ops = select_attention_ops(device.type)
         self.inputs = InputBuilder(block_size, num_blocks, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)
         attention.install(self.model)
-
-    @staticmethod
-    def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return loaded.num_layers * 2 * block_size * loaded.num_kv_heads * loaded.head_dim * elem
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         inputs = self.inputs.build(out)

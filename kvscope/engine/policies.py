@@ -116,10 +116,6 @@ BUILTIN = {"fcfs": Policy, "sjf": SJF, "priority": PriorityPolicy}
 METHODS = ("order", "victim", "arrival_victim", "on_arrival")
 
 
-def is_builtin_or_path(name: str) -> bool:
-    return name in BUILTIN or ":" in name
-
-
 def load_policy(spec: str) -> Policy:
     """A built-in name (fcfs, sjf, priority) or 'module:Class'; raises KvscopeError with one line if it can't."""
     if spec in BUILTIN:

@@ -94,13 +94,3 @@ class KvSwapper:
             dst = torch.tensor([g for _, g in swap_in], dtype=torch.long, device=dev)
             gpu[:, :, dst] = cpu[:, :, src].to(dev, non_blocking=False)
 
-
-def copy_blocks(gpu_cache, copies: list[tuple[int, int]]) -> None:
-    """Copy-on-write copies only (no swap pool)."""
-    if copies:
-        import torch
-
-        dev = gpu_cache.device
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=dev)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=dev)
-        gpu_cache[:, :, dst] = gpu_cache[:, :, src]

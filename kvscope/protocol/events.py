@@ -8,6 +8,7 @@ msgpack map tagged by ``type``; nested records are positional arrays
 seconds on the engine's clock (0 at engine start) unless a field says ``wall``.
 """
 
+from enum import StrEnum
 from typing import Annotated, ClassVar, Literal, Union
 
 import msgspec
@@ -35,6 +36,22 @@ SWAP_OUT, SWAP_IN = "out", "in"
 # ended early (its HTTP client disconnected); older streams never carry it.
 FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT = "stop", "length", "max_model_len", "abort"
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT)
+
+
+class Mode(StrEnum):
+    """The scheduler's four modes (hello.config.mode): settings of one scheduler, see engine/scheduler.py."""
+
+    NAIVE = "naive"
+    STATIC = "static"
+    CONTINUOUS = "continuous"
+    CHUNKED = "chunked"
+
+
+MODES = tuple(Mode)
+
+# What a preempted request loses (Preemption.mode): its KV is recomputed later, or swapped to CPU and back.
+PREEMPT_RECOMPUTE, PREEMPT_SWAP = "recompute", "swap"
+PREEMPTION_MODES = (PREEMPT_RECOMPUTE, PREEMPT_SWAP)
 
 # Where a request came from (RequestEvent.source, RequestState.source; added within v1).
 SOURCE_ENGINE, SOURCE_HTTP = "", "http"  # "": the engine's own workload or control injections
@@ -82,7 +99,7 @@ class Admission(Struct, array_like=True, gc=False):
 class Preemption(Struct, array_like=True, gc=False):
     req: Int
     reason: Name  # "kv_blocks" or "priority"
-    mode: Name = "recompute"  # or "swap"
+    mode: Name = PREEMPT_RECOMPUTE  # or PREEMPT_SWAP
 
 
 class BlockAlloc(Struct, array_like=True, gc=False):
@@ -202,6 +219,8 @@ class EngineInfo(Struct, kw_only=True):
     weight_dtype: Name | UnsetType = UNSET
     device_name: Text | UnsetType = UNSET  # CUDA: the GPU's name
     max_waiting: Count | None | UnsetType = UNSET  # cap of queued requests
+    kv_cache_space: Float | None | UnsetType = UNSET  # CPU: GiB asked for the KV cache (None: sized from memory)
+    kv_cache_bytes: Count | UnsetType = UNSET  # the KV cache's size as chosen at start-up
 
     def as_dict(self) -> dict:
         """The fields that are set, as a plain dict (for display and tools)."""

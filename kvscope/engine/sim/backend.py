@@ -1,11 +1,14 @@
-"""What LLMEngine needs to run on the sim backend: the clock, a model stand-in, KV sizing, the runner."""
+"""The sim backend (kvscope.engine.backends.Backend): a model stand-in, KV sizing, the runner, the swapper and the
+virtual clock, all priced by the cost model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope.engine.attention_spec import AttentionSpec
 from kvscope.engine.clock import VirtualClock
 from kvscope.engine.errors import KvscopeError
+from kvscope.engine.kv_sizing import KvBudget
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import DTYPE_BYTES, CostModel, Efficiency
 from kvscope.engine.sim.runner import SimRunner
@@ -46,47 +49,61 @@ class SimModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    attention: AttentionSpec = AttentionSpec(())  # the catalog's shapes attend over their whole context
 
 
 class SimBackend:
+    """The cost model of a catalog GPU serving a catalog model, on a virtual clock (docs/SIM.md)."""
+
+    name = "sim"
+
     def __init__(self, config) -> None:
         self.gpu = catalog.gpu(config.gpu)
         self.shape = catalog.model(config.model)
         kv_dtype = None if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         eff = Efficiency.from_dict(config.sim_efficiency) if config.sim_efficiency else Efficiency()
         self.cost = CostModel(self.gpu, self.shape, tp=config.tp, kv_dtype=kv_dtype, efficiency=eff)
-        self.clock = VirtualClock(config.sim_pace)
+        self.clock = VirtualClock(config.sim_pace)  # one clock: the runner and the swapper advance it
         self.config = config
         m = self.shape
-        eos = m.vocab_size - 1  # the sim never produces it; it keeps workload prompts clear of the top id
-        self.loaded = SimModel(
+        self.eos = m.vocab_size - 1  # the sim never produces it; it keeps workload prompts clear of the top id
+        self.model = SimModel(
             name=m.name, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
-            eos_token_ids=frozenset({eos}),
+            eos_token_ids=frozenset({self.eos}),
             tokenizer=ByteTokenizer() if m.vocab_size > ByteTokenizer.NUM_BYTES else None,
             num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         )
-        self.runner = SimRunner(self.cost, self.clock, m.vocab_size, eos)
         self.device = f"sim:{self.gpu.name}" + (f"x{config.tp}" if config.tp > 1 else "")
         self.dtype = m.weight_dtype
 
-    def num_blocks(self, block_size: int) -> int:
-        n = self.cost.num_blocks(block_size, self.config.gpu_memory_utilization)
-        if n < 1:
+    def kv_block_bytes(self, block_size: int) -> float:
+        return self.cost.kv_bytes_per_token * block_size  # per GPU: a fraction of a byte is possible under tp
+
+    def kv_budget(self) -> KvBudget:
+        util = self.config.gpu_memory_utilization
+        budget = self.cost.kv_capacity_bytes(util)
+        if budget < self.kv_block_bytes(self.config.block_size):
             need = self.shape.weight_bytes / self.config.tp / catalog.GiB
-            have = self.gpu.memory_bytes * self.config.gpu_memory_utilization / catalog.GiB
+            have = self.gpu.memory_bytes * util / catalog.GiB
             raise KvscopeError(f"{self.shape.name} does not fit on {self.gpu.name} x{self.config.tp}: "
                                f"{need:.1f} GiB of weights per GPU, {have:.1f} GiB usable; raise --tp")
-        return n
+        return KvBudget(budget, f"gpu_memory_utilization {util:g} of a simulated {self.gpu.name}, less the weights")
 
-    def num_swap_blocks(self, block_size: int) -> int:
-        return int(self.config.swap_space * catalog.GiB // (self.cost.kv_bytes_per_token * block_size))
+    def check_kv_fits(self, nbytes: int) -> None:
+        """A simulated pool takes no memory of this machine."""
 
-    def swapper(self, num_cpu_blocks: int) -> "SimSwapper":
+    def make_runner(self, num_blocks: int, max_model_len: int) -> SimRunner:
+        return SimRunner(self.cost, self.clock, self.shape.vocab_size, self.eos)
+
+    def make_swapper(self, runner: SimRunner, num_cpu_blocks: int) -> "SimSwapper":
         return SimSwapper(self.cost, self.clock, self.config.block_size)
 
-    def hello_info(self) -> dict:
+    def make_clock(self) -> VirtualClock:
+        return self.clock
+
+    def hello_config(self, config: dict) -> dict:
         c = self.cost
-        return {
+        config.update({
             "backend": "sim",
             "gpu": self.gpu.name,
             "sim_model": self.shape.name,
@@ -95,7 +112,8 @@ class SimBackend:
             "weight_dtype": self.shape.weight_dtype,
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "sim_efficiency": c.eff.to_dict(),
-        }
+        })
+        return config
 
 
 class SimSwapper:

@@ -214,12 +214,12 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 
 
 def _add_builtins() -> None:
-    # The engine's own built-in shapes (kvscope/engine/models.py), so a CPU trace of "tiny" can be calibrated.
-    from kvscope.engine.models import BUILTIN_SHAPES
+    # The engine's own built-in shapes (kvscope/engine/shapes.py), so a CPU trace of "tiny" can be calibrated.
+    from kvscope.engine.shapes import BUILTIN_SHAPES
 
     for name, shape in BUILTIN_SHAPES.items():
         if name not in MODELS:
-            MODELS[name] = _builtin(name, shape, "kvscope built-in shape, kvscope/engine/models.py BUILTIN_SHAPES")
+            MODELS[name] = _builtin(name, shape, "kvscope built-in shape, kvscope/engine/shapes.py BUILTIN_SHAPES")
 
 
 _add_builtins()

@@ -1,0 +1,99 @@
+"""The bench harness: the workload every row sees, one configuration run after a warm-up, and the
+one Row type every table prints and every JSON file holds.
+
+Percentiles are nearest-rank (kvscope.quantiles.percentile, docs/QUANTILES.md) in every table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from kvscope import workload as wl
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.metrics import MetricsCollector, mean
+from kvscope.quantiles import percentile
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.serve.driver import ServeOptions, Server, reserved_top_ids
+
+
+@dataclass
+class Row:
+    """One row of a bench table. `extra` holds a table's own columns (steps, sim speed, ...); in JSON
+    they sit beside the common keys, so every bench file's rows have one shape."""
+
+    name: str
+    output_tok_per_s: float
+    ttft_mean_s: float | None
+    ttft_p99_s: float | None
+    itl_p99_s: float | None
+    preemptions: int | None  # None: a peer that does not preempt
+    kv_waste: float | None  # None: not measured
+    output_tokens: int
+    duration_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_metrics(cls, name: str, m: MetricsCollector, preemptions: int, kv_waste: float | None,
+                     **extra: Any) -> Row:
+        s = m.summary(preemptions=preemptions, kv_waste=kv_waste or 0.0, steps=0)
+        return cls(name, s.output_tok_per_s, s.ttft_mean_s, s.ttft_p99_s, s.itl_p99_s, preemptions, kv_waste,
+                   s.output_tokens, s.duration_s, extra)
+
+    @classmethod
+    def from_samples(cls, name: str, ttft: list[float], itl: list[float], tokens: int, span: float,
+                     kv_waste: float | None = None, **extra: Any) -> Row:
+        """A peer's row, from its own TTFT and ITL samples and the span it took."""
+        return cls(name, tokens / span if span > 0 else 0.0, mean(ttft), percentile(ttft, 99), percentile(itl, 99),
+                   None, kv_waste, tokens, span, extra)
+
+
+def bench_workload(config: EngineConfig, workload: str | Any, num_requests: int | None, vocab: int,
+                   eos: frozenset[int], max_prompt_len: int | None, at_once: bool = True):
+    """The requests every row serves: a preset name or spec, generated from config.seed, all arriving
+    at t=0 when at_once (an offline batch: every row sees the same work, and TTFT includes queueing)."""
+    spec = wl.load_spec(workload) if isinstance(workload, str) else workload
+    items = wl.generate(spec, vocab_size=vocab, num_requests=num_requests, seed=config.seed,
+                        max_prompt_len=max_prompt_len, reserved_ids=reserved_top_ids(vocab, eos))
+    return [replace(item, arrival=0.0) for item in items] if at_once else items
+
+
+def model_info(config: EngineConfig):
+    """The model's vocabulary and EOS ids, from a small engine (the workload is generated for them)."""
+    probe = LLMEngine(replace(config, num_blocks=config.num_blocks or 64))
+    return probe.loaded.vocab_size, probe.loaded.eos_token_ids, probe.device
+
+
+def warm_up(engine) -> None:
+    """One tiny request first, so lazy initialisation is not billed to the first row."""
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.reset_counters()
+
+
+def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
+               on_progress: Callable[[int], None] | None = None):
+    """Serve items through one fresh engine after a warm-up; make_sink(engine), if given, builds the sink
+    attached after the warm-up; on_progress(n) is called as requests finish. Returns the engine and the
+    server (its metrics)."""
+    engine = LLMEngine(config)
+    warm_up(engine)
+    if make_sink is not None:
+        engine.attach(make_sink(engine))
+    server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress)
+    server.run(items)
+    engine.close()
+    return engine, server
+
+
+def mode_row(name: str, engine, server, **extra: Any) -> Row:
+    """A kvscope row: the server's request metrics and the engine's run totals (also `kvscope race`'s)."""
+    return Row.from_metrics(name, server.metrics, engine.num_preemptions, engine.mean_kv_waste,
+                            steps=engine.scheduler.step_count, **extra)

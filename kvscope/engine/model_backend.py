@@ -1,0 +1,110 @@
+"""The model backend: the real network on torch (CPU) or Triton kernels (CUDA), on the wall clock."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvscope.engine import kv_sizing
+from kvscope.engine.clock import WallClock
+from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes
+from kvscope.engine.errors import KvscopeError
+from kvscope.engine.model_runner import ModelRunner
+from kvscope.engine.models import LoadedModel, load_model
+from kvscope.engine.swap import KvSwapper
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SIM_ONLY_KEYS = ("gpu", "tp", "kv_cache_dtype", "sim_efficiency", "sim_pace")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise KvscopeError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KvscopeError("device 'cuda' requested but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise KvscopeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def default_cpu_threads() -> int:
+    """Half the cores: oversubscribed OpenMP threads spin-wait, so with the dashboard or event threads on
+    the same cores a step can take 10-50x longer. Leave them a core."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+class ModelBackend:
+    name = "model"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.torch_device = resolve_device(config.device)
+        self.torch_dtype = resolve_dtype(config.dtype, self.torch_device)
+        self.device = str(self.torch_device)
+        self.dtype = str(self.torch_dtype).removeprefix("torch.")
+        self.on_cuda = self.torch_device.type == "cuda"
+        if not self.on_cuda:
+            torch.set_num_threads(config.cpu_threads or default_cpu_threads())
+        self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return kv_sizing.kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, block_size, elem)
+
+    def kv_budget(self) -> kv_sizing.KvBudget:
+        c = self.config
+        if self.on_cuda:
+            def make_runner(num_blocks: int) -> ModelRunner:
+                return ModelRunner(self.model, device=self.torch_device, dtype=self.torch_dtype, num_blocks=num_blocks,
+                                   block_size=c.block_size)
+
+            return kv_sizing.cuda_kv_budget(
+                make_runner, self.torch_device, max_len=self.model.max_position_embeddings, block_size=c.block_size,
+                max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.effective_max_num_seqs,
+                gpu_memory_utilization=c.gpu_memory_utilization, cuda_graphs=not c.enforce_eager)
+        max_len = min(c.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
+        need = c.effective_max_num_seqs * kv_sizing.blocks_needed(max_len, c.block_size) * self.kv_block_bytes(
+            c.block_size)
+        return kv_sizing.cpu_kv_budget(c.kv_cache_space, need_bytes=need,
+                                       available=kv_sizing.available_memory_bytes())
+
+    def check_kv_fits(self, nbytes: int) -> None:
+        """An explicit num_blocks is checked against the device's memory before the cache is allocated."""
+        have = torch.cuda.mem_get_info(self.torch_device)[0] if self.on_cuda else host_memory_bytes()
+        if have is not None and nbytes > have:
+            raise KvscopeError(f"num_blocks {self.config.num_blocks} needs {nbytes / kv_sizing.GiB:.1f} GiB of KV "
+                               f"cache; {self.device} has {have / kv_sizing.GiB:.1f} GiB")
+
+    def make_runner(self, num_blocks: int, max_model_len: int) -> ModelRunner:
+        c = self.config
+        runner = ModelRunner(self.model, device=self.torch_device, dtype=self.torch_dtype, num_blocks=num_blocks,
+                             block_size=c.block_size, scratch_tokens=max_model_len if c.mode == Mode.STATIC else 0,
+                             seed=c.seed)
+        if self.on_cuda and not c.enforce_eager:
+            runner.capture_cuda_graphs(c.effective_max_num_seqs, max_model_len)
+        return runner
+
+    def make_swapper(self, runner: ModelRunner, num_cpu_blocks: int) -> KvSwapper:
+        return KvSwapper(runner.kv_cache, num_cpu_blocks)
+
+    def make_clock(self) -> WallClock:
+        return WallClock()
+
+    def hello_config(self, config: dict) -> dict:
+        for key in SIM_ONLY_KEYS:  # the sim's settings mean nothing to a real run; keep them out of its traces
+            config.pop(key, None)
+        if self.on_cuda:  # lets `kvscope calibrate` find the GPU in the sim catalog
+            config["device_name"] = torch.cuda.get_device_name(self.torch_device)
+        return config
