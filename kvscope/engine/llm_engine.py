@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from kvscope.engine import telemetry
 from kvscope.engine.backends import Backend, create_backend
@@ -15,10 +14,9 @@ from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
 from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
+from kvscope.protocol.sinks import EventSink
 
-
-class EventSink(Protocol):
-    def publish(self, event) -> None: ...
+__all__ = ["EventSink", "LLMEngine"]
 
 
 class _ParamsOf:

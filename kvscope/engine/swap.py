@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvscope.engine.kv_sizing import zeroed_cpu_tensor
+
 
 class CpuBlockPool:
     """Fixed pool of CPU KV blocks with per-request tables; pure bookkeeping."""
@@ -72,8 +74,10 @@ class KvSwapper:
         self.gpu_cache = gpu_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         shape = list(gpu_cache.shape)
         shape[2] = max(0, num_cpu_blocks)
-        pin = gpu_cache.device.type == "cuda"
-        self.cpu_cache = torch.zeros(shape, dtype=gpu_cache.dtype, device="cpu", pin_memory=pin)
+        if gpu_cache.device.type == "cuda":  # pinned, for fast copies over the host link
+            self.cpu_cache = torch.zeros(shape, dtype=gpu_cache.dtype, device="cpu", pin_memory=True)
+        else:  # pages committed as blocks are swapped out, not swap_space GiB at start-up
+            self.cpu_cache = zeroed_cpu_tensor(tuple(shape), gpu_cache.dtype)
 
     def apply(self, swap_out: list[tuple[int, int]], copies: list[tuple[int, int]],
               swap_in: list[tuple[int, int]]) -> None:
