@@ -42,11 +42,13 @@ class WhatIf(msgspec.Struct, kw_only=True):
 
 def _auto_blocks(settings: dict) -> int:
     from kvscope.engine.config import EngineConfig
+    from kvscope.engine.kv_sizing import num_blocks_for
     from kvscope.engine.sim.backend import SimBackend
 
     cfg = EngineConfig(**{**settings, "num_blocks": None})
     cfg.validate()
-    return SimBackend(cfg).num_blocks(cfg.block_size)
+    sim = SimBackend(cfg)
+    return num_blocks_for(sim.kv_budget(), sim.kv_block_bytes(cfg.block_size))
 
 
 def apply_knob(settings: dict, knob: Knob) -> dict:
