@@ -36,7 +36,7 @@ def test_a_sim_run_imports_no_torch():
         "    done += e.step()\n"
         "assert len(done) == 1 and len(done[0].output_token_ids) == 8\n"
         "assert isinstance(e.device, str) and e.device == 'sim:l4'\n"
-        "assert e.hello().config['kv_cache_bytes'] == e.kv_cache_bytes > 0\n")
+        "assert e.hello().config.kv_cache_bytes == e.kv_cache_bytes > 0\n")
     assert heavy == []
 
 

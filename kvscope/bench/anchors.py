@@ -202,26 +202,3 @@ def print_anchors(result: dict) -> None:
         print(f"{r['id']:36} {r['split']:8} {r['sim']:10.0f} {r['published']:10.0f} {r['error']:+7.1%}")
     for split, s in result["summary"].items():
         print(f"{split}: {s['n']} runs, mean |error| {s['mean_abs_error']:.1%}, max |error| {s['max_abs_error']:.1%}")
-
-
-def cmd_bench_anchors(args, write_json) -> int:
-    """`kvscope bench --backend sim --anchors [FILE] [--fit] [--sim-efficiency F] [--json F]`."""
-    path = args.anchors if isinstance(args.anchors, str) else None
-    if getattr(args, "fit", False):
-        from kvscope.bench.anchor_fit import fit, print_fit
-
-        result = fit(path, log=lambda msg: print(msg, file=sys.stderr))
-        print_fit(result)
-        if args.json:
-            write_json(args.json, result)
-        return 0
-    eff = None
-    if getattr(args, "sim_efficiency", None):
-        from kvscope.engine.sim.backend import load_efficiency
-
-        eff = load_efficiency(args.sim_efficiency)  # one set for every anchor, instead of the engine profiles
-    result = run_anchors(path, eff, log=print)
-    print_anchors(result)
-    if args.json:
-        write_json(args.json, result)
-    return 0
