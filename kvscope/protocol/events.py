@@ -205,6 +205,7 @@ class EngineInfo(Struct, kw_only=True):
     prefix_caching: bool = False
     preemption: Name = ""  # "recompute" or "swap"
     swap_space: Float | None = None  # GiB of CPU memory for swapped-out KV
+    kv_cache_space: Float | None | UnsetType = UNSET  # CPU: GiB asked for the KV cache (None: sized from memory)
     cpu_threads: Count | None = None
     enforce_eager: bool = False
     gpu_memory_utilization: Float | None = None
@@ -213,14 +214,13 @@ class EngineInfo(Struct, kw_only=True):
     kv_cache_dtype: Name | UnsetType = UNSET
     sim_efficiency: Annotated[dict[Name, Float], Meta(max_length=64)] | None | UnsetType = UNSET
     sim_pace: Float | None | UnsetType = UNSET
+    kv_cache_bytes: Count | UnsetType = UNSET  # the KV cache's size as chosen at start-up
     attention: Name = ""  # the attention implementation
     preemption_mode: Name = ""
     sim_model: Name | UnsetType = UNSET  # sim: catalog model shape
     weight_dtype: Name | UnsetType = UNSET
     device_name: Text | UnsetType = UNSET  # CUDA: the GPU's name
     max_waiting: Count | None | UnsetType = UNSET  # cap of queued requests
-    kv_cache_space: Float | None | UnsetType = UNSET  # CPU: GiB asked for the KV cache (None: sized from memory)
-    kv_cache_bytes: Count | UnsetType = UNSET  # the KV cache's size as chosen at start-up
 
     def as_dict(self) -> dict:
         """The fields that are set, as a plain dict (for display and tools)."""
