@@ -13,7 +13,7 @@ from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
-from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
+from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, EngineInfo, HelloEvent, RejectEvent, SnapshotEvent
 from kvscope.protocol.sinks import EventSink
 
 __all__ = ["EventSink", "LLMEngine"]
@@ -96,7 +96,10 @@ class LLMEngine:
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name,
                       preemption_mode=self.config.preemption)
-        return HelloEvent(PROTOCOL_VERSION, self.backend.hello_config(config), self.wall_start)
+        config = self.backend.hello_config(config)
+        # in EngineInfo's field order, the order hello.config goes on the wire (docs/PROTOCOL.md)
+        ordered = {k: config[k] for k in EngineInfo.__struct_fields__ if k in config}
+        return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)
 
     def describe_kv_cache(self) -> str:
         """One line for start-up: the KV cache's size and how it was chosen."""
