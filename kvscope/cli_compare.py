@@ -80,18 +80,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # ---- race ----------------------------------------------------------------------------------
-def _check_writable(path: str | None) -> None:
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise _usage(f"cannot write {path}: no such directory {folder}")
-    if os.path.isdir(path):
-        raise _usage(f"cannot write {path}: it is a directory")
-    if not os.access(folder, os.W_OK):
-        raise _usage(f"cannot write {path}: permission denied")
-
-
 def _race_inputs(args, engine_config):
     """(base config, requests, device, workload name, default modes, sim?) as bench would pick them."""
     from kvscope import workload as wl
@@ -129,9 +117,9 @@ def _device(config) -> str:
 def cmd_race(args: argparse.Namespace) -> int:
     from kvscope.bench.modes import print_table
     from kvscope.bench.race import RaceError, plan, race_result, run_race
-    from kvscope.cli import _engine_config, _write_json
+    from kvscope.cli import _check_output_path, _engine_config, _write_json
 
-    _check_writable(args.json)
+    _check_output_path(args.json)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise _usage(f"--out {args.out}: not a directory")
     config, items, device, workload, preset_modes, sim = _race_inputs(args, _engine_config)

@@ -9,6 +9,7 @@ oldest-stored blocks are forgotten and counted.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -113,6 +114,13 @@ class CacheView:
         self.per_medium.clear()
         self.roots = 0
         self.max_depth = 0
+
+    def copy(self) -> "CacheView":
+        """The counters, rates and tallies as they are now (the block index itself is shared, not copied)."""
+        view = copy.copy(self)
+        view.per_medium = Counter(self.per_medium)
+        view._recent = deque(self._recent)
+        return view
 
     # -- what the screen shows ------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ screen says so.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,6 +106,12 @@ class MetricsView:
         self.scrapes.append(scrape)
         while len(self.scrapes) > 2 and self.scrapes[1].t < scrape.t - self.window_s:
             self.scrapes.popleft()
+
+    def copy(self) -> "MetricsView":
+        """A view with its own list of scrapes (the scrapes themselves never change once parsed)."""
+        view = copy.copy(self)
+        view.scrapes = deque(self.scrapes, maxlen=self.scrapes.maxlen)
+        return view
 
     def fail(self, message: str) -> None:
         self.errors += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvscope.adapters.vllm_cache import CacheView
 from kvscope.adapters.vllm_metrics import MetricsError, MetricsView, parse
@@ -41,6 +41,10 @@ class VllmState:
     cache: CacheView = field(default_factory=CacheView)
     kv: KvStats = field(default_factory=KvStats)
     version: int = 0
+
+    def copy(self) -> "VllmState":
+        """What the screen draws, copied under the source's lock while the threads keep writing."""
+        return replace(self, metrics=self.metrics.copy(), cache=self.cache.copy(), kv=replace(self.kv))
 
 
 class VllmSource:

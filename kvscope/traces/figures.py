@@ -1,6 +1,6 @@
 """A run's headline figures from its events alone: what `kvscope bench` prints for it.
 
-`RunFigures` folds a trace's events, in order, into the bench row's figures (output
+`RowTally` folds a trace's events, in order, into the bench row's figures (output
 tok/s, TTFT mean/p50/p99, ITL p50/p99, preemptions, mean KV waste), with the same
 definitions the engine's own MetricsCollector uses:
 - only finished requests count (a request's TTFT, e2e and output tokens come from its
@@ -22,11 +22,12 @@ from ..protocol.events import RequestEvent, StepEvent
 from ..quantiles import QuantileSketch
 
 
-class RunFigures:
+class RowTally:
     """Streaming accumulator: ``add`` every event, then ``row()``. Memory: 8 bytes per ITL gap of a
     request still running, fixed for the finished ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = max(1, int(block_size))  # the trace's, from its hello
         self.arrivals: dict[int, float] = {}
         self.itl_by_req: dict[int, array] = {}
         self.ttft = QuantileSketch()
@@ -50,7 +51,7 @@ class RunFigures:
                 self.requests += 1
             self.arrivals[ev.req] = float(ev.arrival)
 
-    def add_all(self, events: Iterable) -> "RunFigures":
+    def add_all(self, events: Iterable) -> "RowTally":
         for ev in events:
             self.add(ev)
         return self
@@ -86,8 +87,6 @@ class RunFigures:
             self._waste_sum += (kv.tail_waste + kv.reserve_waste) / allocated
             self._waste_steps += 1
 
-    block_size = 16  # set from the trace's hello by `figures_of`
-
     def row(self, name: str = "") -> dict[str, Any]:
         """The bench row's figures (same keys as `kvscope bench --json` rows)."""
         ttft, itl = self.ttft, self.itl
@@ -112,7 +111,4 @@ class RunFigures:
 
 def figures_of(events: Iterable, block_size: int = 16, name: str = "") -> dict[str, Any]:
     """One pass over a run's events (hello first or not) to its bench row."""
-    acc = RunFigures()
-    acc.block_size = max(1, int(block_size))
-    acc.add_all(events)
-    return acc.row(name)
+    return RowTally(block_size).add_all(events).row(name)

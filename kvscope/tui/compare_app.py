@@ -98,9 +98,10 @@ class CompareApp(App):
             return
         self._drawn_key = key
         for screen in self.screen_stack:
-            if isinstance(screen, (CompareScreen, RunDashboard)):
-                screen.show_states(self.states, self.pal) if isinstance(screen, CompareScreen) else \
-                    screen.show_states(self.states, self.pal, self.selected)
+            if isinstance(screen, CompareScreen):
+                screen.show_states(self.states, self.pal)
+            elif isinstance(screen, RunDashboard):
+                screen.show_states(self.states, self.pal, self.selected)
             elif isinstance(screen, RequestDetailScreen):
                 screen.show_state(self.states[self._drilled()], self.pal, self.selected)
 

@@ -15,7 +15,7 @@ import bisect
 from array import array
 
 from kvscope.protocol.events import RequestEvent, StepEvent
-from kvscope.traces.figures import RunFigures
+from kvscope.traces.figures import RowTally
 
 MAX_RUNS = 4
 
@@ -90,8 +90,7 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     try:
         trace = open_trace(path)
         run.config = trace.hello.config.as_dict()
-        acc = RunFigures()
-        acc.block_size = _int(run.config.get("block_size"), 16)
+        acc = RowTally(_int(run.config.get("block_size"), 16))
         prompt_tokens = max_tokens = 0
         first = None
         seen: set[int] = set()

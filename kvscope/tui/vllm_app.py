@@ -7,7 +7,6 @@ what the multi-engine overview opens for a vLLM row.
 
 from __future__ import annotations
 
-import copy
 import time
 
 from textual.app import App, ComposeResult
@@ -16,7 +15,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvscope.adapters.vllm_source import VllmSource, VllmState
+from kvscope.adapters.vllm_source import VllmSource
 from kvscope.tui.palette import DEFAULT, get_palette
 from kvscope.tui.widgets import StateWidget
 from kvscope.tui.widgets.vllm_panels import VllmCache, VllmHeader, VllmLatency, VllmQueues
@@ -32,19 +31,6 @@ VllmQueues { height: 6; }
 VllmLatency { height: 1fr; }
 VllmCache { width: 1fr; }
 """
-
-
-def view_of(source: VllmSource) -> VllmState:
-    """A copy of what the panels read, taken under the source's lock (the threads keep writing)."""
-    st = source.state
-    view = copy.copy(st)
-    view.metrics = copy.copy(st.metrics)
-    view.metrics.scrapes = type(st.metrics.scrapes)(st.metrics.scrapes, maxlen=st.metrics.scrapes.maxlen)
-    view.kv = copy.copy(st.kv)
-    view.cache = copy.copy(st.cache)
-    view.cache.per_medium = copy.copy(st.cache.per_medium)
-    view.cache._recent = copy.copy(st.cache._recent)
-    return view
 
 
 class VllmScreen(Screen):
@@ -85,7 +71,7 @@ class VllmScreen(Screen):
             if st.version == self._drawn:
                 return
             self._drawn = st.version
-            view = view_of(self.source)
+            view = st.copy()
             now = time.monotonic()
             top = None
             if now - self._top_at >= TOP_EVERY_S:
