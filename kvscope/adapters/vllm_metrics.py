@@ -30,6 +30,7 @@ class Scrape:
     counters: dict[str, float] = field(default_factory=dict)  # name without _total
     buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # cumulative (le, count)
     skipped: int = 0  # malformed or unknown samples
+    model: str | None = None  # the first model_name label seen
 
 
 def parse(text: str, t: float) -> Scrape:
@@ -51,6 +52,8 @@ def parse(text: str, t: float) -> Scrape:
         name = fam.name[len(PREFIX):]
         for s in fam.samples:
             value = s.value
+            if scrape.model is None and "model_name" in s.labels:
+                scrape.model = str(s.labels["model_name"])[:256]
             if not isinstance(value, (int, float)) or math.isnan(value):
                 scrape.skipped += 1
                 continue

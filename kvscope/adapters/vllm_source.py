@@ -32,6 +32,24 @@ class KvStats:
     last_error: str | None = None
 
 
+class NullListener:
+    """What the source tells about each thing it applies; `kvscope record --vllm` listens
+    (adapters.vllm_record). Called with the source's lock held, just before the state moves,
+    so the state it sees is the one the thing applies to."""
+
+    def scraped(self, scrape) -> None:
+        pass
+
+    def scrape_failed(self, message: str) -> None:
+        pass
+
+    def applied(self, seq: int, batch, replayed: bool) -> None:
+        pass
+
+
+NULL_LISTENER = NullListener()
+
+
 @dataclass
 class VllmState:
     url: str | None
@@ -41,19 +59,32 @@ class VllmState:
     cache: CacheView = field(default_factory=CacheView)
     kv: KvStats = field(default_factory=KvStats)
     version: int = 0
+    replay: str | None = None  # a recorded run: the header's label (file, position, speed)
 
     def copy(self) -> "VllmState":
         """What the screen draws, copied under the source's lock while the threads keep writing."""
         return replace(self, metrics=self.metrics.copy(), cache=self.cache.copy(), kv=replace(self.kv))
 
 
+def apply_batch(state: VllmState, seq: int, batch, replayed: bool) -> None:
+    """One decoded KV batch into the view (live, or from a recorded trace)."""
+    state.cache.apply(batch)
+    state.kv.last_seq = seq
+    if replayed:
+        state.kv.replayed += 1
+    else:
+        state.kv.received += 1
+    state.version += 1
+
+
 class VllmSource:
     """Starts the threads; ``lock`` guards ``state``; ``close`` stops them."""
 
     def __init__(self, url: str | None = None, kv_events: str | None = None, kv_replay: str | None = None, *,
-                 interval: float = 1.0, window_s: float = 30.0) -> None:
+                 interval: float = 1.0, window_s: float = 30.0, listener: NullListener = NULL_LISTENER) -> None:
         if url is None and kv_events is None:
             raise ValueError("watching vLLM needs --vllm URL or --kv-events ADDR")
+        self.listener = listener
         self.url = url.rstrip("/") if url else None
         self.interval = max(0.1, float(interval))
         self.state = VllmState(url, kv_events, kv_replay)
@@ -87,18 +118,21 @@ class VllmSource:
                 raise MetricsError(f"GET {self.url}/metrics: HTTP {resp.status_code}")
             scrape = parse(resp.text, time.time())
         except MetricsError as e:
-            with self.lock:
-                self.state.metrics.fail(str(e))
-                self.state.version += 1
+            self._failed(str(e))
             return
         except Exception as e:  # network errors: httpx.HTTPError, OSError
-            with self.lock:
-                self.state.metrics.fail(f"GET {self.url}/metrics: {type(e).__name__}: {str(e)[:100]}")
-                self.state.version += 1
+            self._failed(f"GET {self.url}/metrics: {type(e).__name__}: {str(e)[:100]}")
             return
         with self.lock:
+            self.listener.scraped(scrape)
             self.state.metrics.add(scrape)
             self.state.metrics.last_error = None
+            self.state.version += 1
+
+    def _failed(self, message: str) -> None:
+        with self.lock:
+            self.listener.scrape_failed(message)
+            self.state.metrics.fail(message)
             self.state.version += 1
 
     def _poll_metrics(self) -> None:
@@ -179,13 +213,8 @@ class VllmSource:
                 kv.last_seq = max(kv.last_seq, seq)
             return
         with self.lock:
-            self.state.cache.apply(batch)
-            kv.last_seq = seq
-            if replayed:
-                kv.replayed += 1
-            else:
-                kv.received += 1
-            self.state.version += 1
+            self.listener.applied(seq, batch, replayed)
+            apply_batch(self.state, seq, batch, replayed)
 
     def replay_from(self, start: int) -> int:
         """Ask the ROUTER for every buffered batch from ``start``; returns how many were applied."""

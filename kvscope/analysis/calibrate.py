@@ -40,9 +40,9 @@ class TraceData:
 
 
 def read_trace(path: str) -> TraceData:
-    from kvscope.traces.reader import TraceReader
+    from kvscope.traces.reader import engine_trace
 
-    reader = TraceReader(path)
+    reader = engine_trace(path, "calibrate")
     steps, requests = [], []
     for ev in reader:
         if isinstance(ev, StepEvent):

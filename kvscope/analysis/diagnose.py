@@ -121,9 +121,9 @@ def diagnose_events(events: Iterable[Any], *, window: int | None = None, what_if
 
 def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True) -> Diagnosis:
     """Diagnose a .kvtrace file; a trace cut short is diagnosed up to where its good data ends."""
-    from kvscope.traces.reader import TraceReader
+    from kvscope.traces.reader import engine_trace
 
-    reader = TraceReader(path)
+    reader = engine_trace(path, "diagnose")
     d = diagnose_events(reader, window=window, what_if=what_if, source=path)
     if reader.warnings:
         d.cannot_judge.insert(0, f"{reader.warnings[0]}: diagnosed the {d.steps} steps before it")

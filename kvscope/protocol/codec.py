@@ -29,6 +29,7 @@ from .events import MAX_LIST_LEN, MAX_NAME_LEN, MAX_TEXT_LEN, Count, CountList, 
 
 __all__ = [
     "ProtocolError",
+    "UnknownEventType",
     "encode",
     "decode",
     "decode_obj",
@@ -50,6 +51,11 @@ MAX_ERROR_LEN = 160  # error messages never quote more than this
 
 class ProtocolError(ValueError):
     """Anything malformed: bad msgpack, wrong types, out-of-range values, oversize."""
+
+
+class UnknownEventType(ProtocolError):
+    """A map whose ``type`` is a string this build does not know: an event type a later v1
+    writer added. Subscribers and trace readers skip it (and count it); it is not damage."""
 
 
 def _trim(s: str) -> str:
@@ -137,7 +143,8 @@ _SnapshotWire = _wire_twin(E.SnapshotEvent)
 _SNAPSHOT_FIELDS = E.SnapshotEvent.__struct_fields__
 _EVENT_CLASSES = frozenset(E.EVENT_TYPES.values())
 _decoder = msgspec.msgpack.Decoder(
-    Union[E.StepEvent, E.RequestEvent, _SnapshotWire, E.HelloEvent, E.RejectEvent, E.ByeEvent]
+    Union[E.StepEvent, E.RequestEvent, _SnapshotWire, E.HelloEvent, E.RejectEvent, E.ByeEvent,
+          E.VllmMetricsEvent, E.VllmKvEvent, E.VllmSnapshotEvent]
 )
 
 
@@ -216,6 +223,8 @@ def _invalid(m: Any, e: Exception) -> ProtocolError:
         what = "event must be a map"
     elif type(t) is str and t in E.EVENT_TYPES:
         what = f"{t} event"
+    elif type(t) is str:
+        return UnknownEventType(_trim(f"unknown event type {t!r}"))
     else:
         what = "unknown event type"
     return ProtocolError(_trim(f"{what}: {e}"))

@@ -221,6 +221,10 @@ class EngineInfo(Struct, kw_only=True):
     weight_dtype: Name | UnsetType = UNSET
     device_name: Text | UnsetType = UNSET  # CUDA: the GPU's name
     max_waiting: Count | None | UnsetType = UNSET  # cap of queued requests
+    vllm_url: Text | UnsetType = UNSET  # a recorded vLLM (backend "vllm"): what was watched
+    vllm_kv_events: Text | UnsetType = UNSET
+    vllm_kv_replay: Text | UnsetType = UNSET
+    vllm_interval: Float | UnsetType = UNSET  # seconds between scrapes
 
     def as_dict(self) -> dict:
         """The fields that are set, as a plain dict (for display and tools)."""
@@ -314,7 +318,99 @@ class ByeEvent(Struct, tag="bye", tag_field="type"):
     reason: Name = "drained"
 
 
-Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent]
+# ------------------------------------------------- a watched vLLM (added within v1)
+# `kvscope record --vllm` stores what it saw of a vLLM engine in a trace whose hello has
+# config.backend "vllm": parsed metric scrapes, normalized KV-event batches, and the
+# snapshots that open chunks. Each scrape or batch is one tick of the trace's `step`
+# counter, so chunks, seek and the index work as for an engine's trace.
+BlockHash = Union[Int, Name]  # vLLM's int hash when it fits int64, else a hex string (bytes: no bin on the wire)
+BucketBound = Annotated[float, Meta(ge=-_FLOAT_MAX)]  # +Inf allowed (the last bucket), NaN and -Inf not
+NameMap = Annotated[dict[Name, Float], Meta(max_length=1024)]
+
+
+class VllmBlockEvent(Struct, array_like=True, gc=False):
+    kind: Literal["stored", "removed", "cleared"]
+    hashes: Annotated[list[BlockHash], Meta(max_length=MAX_LIST_LEN)] = []
+    parent: BlockHash | None = None  # stored: the block the first of them continues
+    tokens: Count = 0  # stored: tokens in the blocks
+    block_size: Count = 0
+    medium: Name = "GPU"
+
+
+class VllmCachedBlock(Struct, array_like=True, gc=False):
+    hash: BlockHash
+    parent: BlockHash | None
+    medium: Name
+    depth: Count
+    children: Count
+
+
+class VllmKvCounters(Struct, array_like=True, gc=False):
+    received: Count = 0
+    replayed: Count = 0
+    malformed: Count = 0
+    gaps: Count = 0
+    missed: Count = 0
+    last_seq: Int = -1
+
+
+class VllmMetricsEvent(Struct, tag="vllm_metrics", tag_field="type"):
+    """One /metrics scrape, parsed: only `vllm:` families, summed over engines (prefix dropped)."""
+
+    type: ClassVar[str] = "vllm_metrics"
+    step: Int
+    t: Float  # seconds since the recording started
+    gauges: NameMap = {}
+    by_label: Annotated[dict[Name, NameMap], Meta(max_length=1024)] = {}  # gauge -> reason -> value
+    counters: NameMap = {}  # name without _total
+    buckets: Annotated[dict[Name, Annotated[list[tuple[BucketBound, Float]], Meta(max_length=4096)]],
+                       Meta(max_length=1024)] = {}  # cumulative (le, count)
+    skipped: Count = 0
+    model: Text | None = None  # the model_name label, when the scrape has one
+    error: Text | None = None  # the scrape failed: nothing else is set
+
+
+class VllmKvEvent(Struct, tag="vllm_kv", tag_field="type"):
+    """One KV-event batch as received (or replayed), in one shape whatever vLLM's encoding."""
+
+    type: ClassVar[str] = "vllm_kv"
+    step: Int
+    t: Float
+    seq: Int
+    ts: Float  # vLLM's own batch timestamp
+    dp_rank: Int | None = None
+    events: _list(VllmBlockEvent) = []
+    unknown: Count = 0  # events of a type the recorder did not know
+    replayed: bool = False
+    kv: VllmKvCounters = msgspec.field(default_factory=VllmKvCounters)  # the subscriber's tallies after it
+
+
+class VllmSnapshotEvent(Struct, tag="vllm_snapshot", tag_field="type"):
+    """The cache population as the recorder's view holds it, in store order: what opens a chunk."""
+
+    type: ClassVar[str] = "vllm_snapshot"
+    step: Int
+    t: Float
+    blocks: _list(VllmCachedBlock) = []
+    roots: Count = 0
+    max_depth: Count = 0
+    block_size: Count = 0
+    stored_total: Count = 0
+    removed_total: Count = 0
+    cleared: Count = 0
+    forgotten: Count = 0
+    unknown_removed: Count = 0
+    unknown_events: Count = 0
+    batches: Count = 0
+    kv: VllmKvCounters = msgspec.field(default_factory=VllmKvCounters)
+    metrics_errors: Count = 0
+    # the oldest and the newest scrape of the metrics window, so rates and bucket deltas
+    # show at once after a seek
+    scrapes: Annotated[list[VllmMetricsEvent], Meta(max_length=2)] = []
+
+
+Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent,
+              VllmMetricsEvent, VllmKvEvent, VllmSnapshotEvent]
 
 EVENT_TYPES: dict[str, type] = {
     "hello": HelloEvent,
@@ -323,4 +419,12 @@ EVENT_TYPES: dict[str, type] = {
     "step": StepEvent,
     "snapshot": SnapshotEvent,
     "bye": ByeEvent,
+    "vllm_metrics": VllmMetricsEvent,
+    "vllm_kv": VllmKvEvent,
+    "vllm_snapshot": VllmSnapshotEvent,
 }
+
+# The roles a trace gives events: a chunk opens with a snapshot; ticks advance `step`.
+SNAPSHOT_TYPES = (SnapshotEvent, VllmSnapshotEvent)
+TICK_TYPES = (StepEvent, VllmMetricsEvent, VllmKvEvent)
+BACKEND_VLLM = "vllm"  # hello.config.backend of a recorded vLLM

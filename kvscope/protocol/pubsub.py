@@ -16,7 +16,7 @@ import ipaddress
 import queue
 import threading
 import time
-from .codec import MAX_EVENT_BYTES, ProtocolError, decode, encode
+from .codec import MAX_EVENT_BYTES, ProtocolError, UnknownEventType, decode, encode
 
 __all__ = [
     "DEFAULT_EVENTS_ADDR",
@@ -248,7 +248,8 @@ class Subscriber(OwnsSocket):
 
     Connecting needs no publisher yet: zmq connects and reconnects on its own, so
     a subscriber survives an engine restart. Malformed frames are counted in
-    ``.malformed`` (last error text in ``.last_error``) and skipped. ``.gaps``
+    ``.malformed`` (last error text in ``.last_error``) and skipped; events of a type
+    this build does not know are counted in ``.unknown`` and skipped. ``.gaps``
     counts step numbers that never arrived (events lost on the way).
     """
 
@@ -267,6 +268,7 @@ class Subscriber(OwnsSocket):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.malformed = 0
+        self.unknown = 0
         self.last_error: str | None = None
         self.received = 0
         self.gaps = 0
@@ -292,6 +294,9 @@ class Subscriber(OwnsSocket):
         """Decode one frame: the event, or None (counted in ``malformed``) if it is bad."""
         try:
             ev = decode(data, self._max_size)
+        except UnknownEventType:
+            self.unknown += 1  # a later v1 writer's event type: skipped, not damage (docs/PROTOCOL.md)
+            return None
         except ProtocolError as e:
             self.malformed += 1
             self.last_error = str(e)

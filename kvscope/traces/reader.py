@@ -13,8 +13,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..protocol.codec import ProtocolError, decode, unpack_limited
-from ..protocol.events import HelloEvent, SnapshotEvent, StepEvent
+from ..protocol.codec import ProtocolError, UnknownEventType, decode, unpack_limited
+from ..protocol.events import BACKEND_VLLM, SNAPSHOT_TYPES, TICK_TYPES, HelloEvent
 from . import format as F
 from .summary import Tally, TraceSummary
 
@@ -95,6 +95,19 @@ def _inflate(data: bytes, raw_len: int) -> bytes:
     return raw
 
 
+class TraceKindError(ProtocolError):
+    """A readable trace of the wrong kind for the command (a recorded vLLM where an engine's is needed)."""
+
+
+def engine_trace(path: str | os.PathLike, command: str) -> "TraceReader":
+    """Open a trace of a kvscope engine run; a recorded vLLM is a one-line TraceKindError naming ``command``."""
+    reader = TraceReader(path)
+    if reader.hello.config.backend == BACKEND_VLLM:
+        raise TraceKindError(f"{os.fspath(path)} is a recorded vLLM (kvscope record --vllm): {command} reads kvscope "
+                             "engine traces; kvscope replay shows this one")
+    return reader
+
+
 class TraceReader:
     """Read a trace: ``hello``, ``warnings``, iterate events, ``seek(step)``, ``summary()``."""
 
@@ -115,6 +128,7 @@ class TraceReader:
         self._src = src
         self.size = src.size
         self.warnings: list[str] = []
+        self._unknown_at: dict[int, int] = {}  # chunk offset -> events of unknown type skipped there
         self.complete = False
         self._stats: dict | None = None
         self._counted: dict | None = None  # counts from decoding every chunk (verify)
@@ -278,6 +292,8 @@ class TraceReader:
             raise _ChunkError("bad chunk metadata")
         raw = _inflate(body[F.CHUNK_META.size :], raw_len)
         events = []
+        seen = 0  # events in the chunk, skipped ones included
+        skipped = 0
         pos = 0
         mv = memoryview(raw)
         while pos < raw_len:
@@ -287,23 +303,38 @@ class TraceReader:
             pos += 4
             if ln == 0 or pos + ln > raw_len:
                 raise _ChunkError("bad event length")
-            if len(events) == n:
+            if seen == n:
                 raise _ChunkError(f"holds more events than the {n} its header says")
+            seen += 1
             try:
                 ev = decode(mv[pos : pos + ln])
+            except UnknownEventType:
+                if events:  # a later v1 writer's event type: skipped (docs/PROTOCOL.md, Versioning)
+                    skipped += 1
+                    pos += ln
+                    continue
+                raise _ChunkError("does not open with its snapshot") from None
             except ProtocolError as e:
                 raise _ChunkError(f"bad event: {e}") from None
             except RecursionError:  # the codec bounds nesting; this is a second line of defence
                 raise _ChunkError("bad event: nested too deeply") from None
             if isinstance(ev, HelloEvent):
                 raise _ChunkError("hello event inside a chunk")
-            if not events and (not isinstance(ev, SnapshotEvent) or ev.step != first):
+            if not events and (type(ev) not in SNAPSHOT_TYPES or ev.step != first):
                 raise _ChunkError("does not open with its snapshot")  # checked first: garbage fails fast
             events.append(ev)
             pos += ln
-        if len(events) != n:
-            raise _ChunkError(f"holds {len(events)} events, header says {n}")
+        if seen != n:
+            raise _ChunkError(f"holds {seen} events, header says {n}")
+        if skipped:
+            self._note_unknown(info.offset, skipped)
         return events
+
+    def _note_unknown(self, offset: int, n: int) -> None:
+        if offset not in self._unknown_at:
+            self._unknown_at[offset] = n
+            self.warnings.append(f"chunk at byte {offset} holds {n} events of a type this build does not know "
+                                 "(a later kvscope wrote them); skipped them")
 
     def _load(self, f, i: int) -> list | None:
         """Events of chunk i, or None if it is bad (the trace then ends before it)."""
@@ -342,6 +373,27 @@ class TraceReader:
         """Same as iterating the reader: hello first, then every event in order."""
         return iter(self)
 
+    def iter_from(self, step: int) -> Iterator:
+        """Every event from the nearest snapshot at or before ``step`` to the end of the trace
+        (no hello): what a player needs to jump to ``step`` and go on from there."""
+        with self._src.open() as f:
+            i = 0
+            for j, c in enumerate(self._chunks):
+                if c.first_step <= step:
+                    i = j
+            while i < len(self._chunks):
+                events = self._load(f, i)
+                if events is None:
+                    return
+                if i == 0 or self._chunks[i].first_step <= step:
+                    start = 0
+                    for k, ev in enumerate(events):
+                        if type(ev) in SNAPSHOT_TYPES and ev.step <= step:
+                            start = k
+                    events = events[start:]
+                yield from events
+                i += 1
+
     def seek(self, step: int) -> list:
         """Events to rebuild the state at ``step``: the nearest snapshot at or before it,
         then every event up to and including the step event for ``step``.
@@ -363,12 +415,12 @@ class TraceReader:
                     continue  # chunk list was cut; try again with what is left
                 end = 0
                 for k, ev in enumerate(events):
-                    if type(ev) is StepEvent and ev.step <= step:
+                    if type(ev) in TICK_TYPES and ev.step <= step:
                         end = k
                 start = 0
                 for k in range(end, -1, -1):
                     ev = events[k]
-                    if type(ev) is SnapshotEvent and ev.step <= step:
+                    if type(ev) in SNAPSHOT_TYPES and ev.step <= step:
                         start = k
                         break
                 return events[start : end + 1]
@@ -384,6 +436,7 @@ class TraceReader:
         for ev in it:
             tally.add(ev)
         counted = tally.to_wire()
+        counted["events"] += sum(self._unknown_at.values())  # the index counts what was written
         stats = self._stats if self.complete else None
         if stats is not None:
             index_counts, problem = _check_stats(stats, self._chunks)

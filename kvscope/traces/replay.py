@@ -10,7 +10,16 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Iterator
 
-from ..protocol.events import ByeEvent, RejectEvent, RequestEvent, SnapshotEvent, StepEvent
+from ..protocol.events import (
+    ByeEvent,
+    RejectEvent,
+    RequestEvent,
+    SnapshotEvent,
+    StepEvent,
+    VllmKvEvent,
+    VllmMetricsEvent,
+    VllmSnapshotEvent,
+)
 
 __all__ = ["ReplayClock", "event_time", "MIN_SPEED", "MAX_SPEED"]
 
@@ -24,7 +33,7 @@ def event_time(ev) -> float | None:
         return ev.t + ev.dur  # a step event is emitted when the step ends
     if t is RequestEvent:
         return ev.arrival
-    if t in (SnapshotEvent, RejectEvent, ByeEvent):
+    if t in (SnapshotEvent, RejectEvent, ByeEvent, VllmMetricsEvent, VllmKvEvent, VllmSnapshotEvent):
         return ev.t
     return None
 

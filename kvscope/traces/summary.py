@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.events import RejectEvent, RequestEvent, SnapshotEvent, StepEvent
+from ..protocol.events import RejectEvent, RequestEvent, SnapshotEvent, StepEvent, VllmKvEvent, VllmMetricsEvent
 from ..quantiles import STANDARD, QuantileSketch
 
 
@@ -88,6 +88,14 @@ class Tally:
             self.rejects += 1
         elif t is SnapshotEvent:
             self.req_ids.update(r.req for r in ev.requests)
+        elif t is VllmMetricsEvent or t is VllmKvEvent:  # a recorded vLLM's ticks
+            self.steps += 1
+            if self.first_step is None:
+                self.first_step = ev.step
+                self.t_first = float(ev.t)
+            self.last_step = ev.step
+            if self.t_last is None or ev.t > self.t_last:
+                self.t_last = float(ev.t)
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -6,7 +6,9 @@ compression and the file write happen on a background thread, one chunk at a tim
 so the engine loop is never held up by zlib or the disk. Every chunk is flushed as
 soon as it is written: a killed process loses at most the chunk it was filling.
 
-Every chunk opens with a snapshot. A full chunk (``chunk_steps`` steps, or
+Every chunk opens with a snapshot (an engine's ``snapshot``, or a recorded vLLM's
+``vllm_snapshot``); "steps" below are its ticks (``step`` events, or a vLLM's
+scrapes and KV batches). A full chunk (``chunk_steps`` steps, or
 ``max_chunk_s`` seconds, or ``max_chunk_events`` events) is closed at the next
 snapshot: either one the engine publishes, or - right after the step that filled
 it - one asked from ``snapshot_provider()``, which is called synchronously inside
@@ -29,7 +31,7 @@ from typing import Callable
 import msgpack
 
 from ..protocol.codec import MAX_EVENT_BYTES, ProtocolError, encode
-from ..protocol.events import HelloEvent, SnapshotEvent, StepEvent
+from ..protocol.events import SNAPSHOT_TYPES, TICK_TYPES, HelloEvent, SnapshotEvent
 from . import format as F
 from .summary import Tally
 
@@ -106,7 +108,7 @@ class TraceWriter:
             return  # the header holds it; engines repeat hello next to snapshots
         cur = self._cur
         if cur is None:
-            if t is SnapshotEvent:
+            if t in SNAPSHOT_TYPES:
                 self._open(event)
                 return
             snap = self._provide()
@@ -115,12 +117,12 @@ class TraceWriter:
                 return
             self._open(snap)
             cur = self._cur
-        elif t is SnapshotEvent and self._full():
+        elif t in SNAPSHOT_TYPES and self._full():
             self._roll(event)
             return
         cur.append(event)
         self._accepted += 1
-        if t is StepEvent:
+        if t in TICK_TYPES:
             self._cur_steps += 1
             if self._full():
                 snap = self._provide()
@@ -131,8 +133,8 @@ class TraceWriter:
         if self.snapshot_provider is None:
             return None
         snap = self.snapshot_provider()
-        if snap is not None and not isinstance(snap, SnapshotEvent):
-            raise TypeError("snapshot_provider must return a SnapshotEvent or None")
+        if snap is not None and type(snap) not in SNAPSHOT_TYPES:
+            raise TypeError("snapshot_provider must return a snapshot event or None")
         return snap
 
     def _full(self) -> bool:
@@ -190,7 +192,7 @@ class TraceWriter:
             if data is None or len(data) > MAX_EVENT_BYTES or size > F.MAX_CHUNK_RAW_BYTES:
                 self._lose(1, "an event that cannot be encoded within the decode limit")
                 continue
-            is_snap = type(ev) is SnapshotEvent
+            is_snap = type(ev) in SNAPSHOT_TYPES
             if seg and (seg_raw + size > F.MAX_CHUNK_RAW_BYTES or len(seg) >= F.MAX_CHUNK_EVENTS):
                 cut = len(seg) if is_snap else last_snap
                 if cut == 0:  # one snapshot and what follows it already fill a chunk
@@ -222,7 +224,7 @@ class TraceWriter:
         first = last = seg[0][1].step
         for _, ev in seg:
             self._tally.add(ev)
-            if type(ev) in (StepEvent, SnapshotEvent) and ev.step > last:
+            if (type(ev) in TICK_TYPES or type(ev) in SNAPSHOT_TYPES) and ev.step > last:
                 last = ev.step
         raw = b"".join(F.EVENT_LEN.pack(len(d)) + d for d, _ in seg)
         body = zlib.compress(raw, self.level)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from kvscope.engine.errors import KvscopeError
+from kvscope.protocol.events import BACKEND_VLLM
 from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
 
@@ -31,6 +32,11 @@ def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, 
     from kvscope.tui.sources import ReplayController, open_trace
 
     trace = open_trace(path)
+    if trace.hello.config.backend == BACKEND_VLLM:
+        from kvscope.tui.vllm_app import make_vllm_replay_app
+
+        return make_vllm_replay_app(path, palette=palette, speed=speed, playing=playing, start_step=start_step,
+                                    auto_tick=auto_tick)
     kw = {"clock": clock} if clock is not None else {}
     controller = ReplayController(trace, speed=speed, playing=playing, **kw)
     if start_step is not None:
@@ -52,4 +58,13 @@ def run_replay(path: str, palette: str = "default", *, speed: float = 1.0, start
         raise KvscopeError(f"cannot replay {path}: {e}") from None
     for w in getattr(app.source.trace, "warnings", ()) or ():
         print(f"kvscope replay: warning: {w}", file=sys.stderr)
-    app.run()
+    from kvscope.adapters.vllm_replay import VllmTraceSource
+
+    own_thread = isinstance(app.source, VllmTraceSource)  # a recorded vLLM plays on its own thread
+    if own_thread:
+        app.source.start()
+    try:
+        app.run()
+    finally:
+        if own_thread:
+            app.source.close()

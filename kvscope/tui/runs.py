@@ -14,8 +14,9 @@ from typing import Any, Callable
 import bisect
 from array import array
 
-from kvscope.protocol.events import RequestEvent, StepEvent
+from kvscope.protocol.events import BACKEND_VLLM, RequestEvent, StepEvent
 from kvscope.traces.figures import RowTally
+from kvscope.traces.reader import TraceKindError
 
 MAX_RUNS = 4
 
@@ -89,6 +90,8 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     run = Run(path=path, label=label)
     try:
         trace = open_trace(path)
+        if trace.hello.config.backend == BACKEND_VLLM:
+            raise TraceKindError(f"{path} is a recorded vLLM: compare lines up kvscope engine traces")
         run.config = trace.hello.config.as_dict()
         acc = RowTally(_int(run.config.get("block_size"), 16))
         prompt_tokens = max_tokens = 0

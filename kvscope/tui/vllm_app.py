@@ -1,4 +1,5 @@
-"""`kvscope tui --vllm URL [--kv-events ADDR] [--kv-replay ADDR]`: a running vLLM's scheduler, from outside.
+"""`kvscope tui --vllm URL [--kv-events ADDR] [--kv-replay ADDR]`: a running vLLM's scheduler, from outside;
+`kvscope replay FILE` of a `kvscope record --vllm` trace: the same view, played back.
 
 The VllmSource threads fill a VllmState under a lock; the screen's 4 Hz timer copies
 what the panels need and repaints them only when the state moved. The same screen is
@@ -84,6 +85,40 @@ class VllmScreen(Screen):
             w.show(view, pal, None)
 
 
+class VllmReplayScreen(VllmScreen):
+    """The vLLM view over a recorded vLLM (adapters.vllm_replay.VllmTraceSource), with the player's keys."""
+
+    BINDINGS = [
+        Binding("space", "toggle", "Play/pause"),
+        Binding("left", "seek(-0.1)", "Back 10%"),
+        Binding("right", "seek(0.1)", "On 10%"),
+        Binding("home", "restart", "Start", show=False),
+        Binding("end", "to_end", "End", show=False),
+        Binding("plus,equals_sign", "speed(2)", "Faster"),
+        Binding("minus", "speed(0.5)", "Slower"),
+    ]
+
+    def action_toggle(self) -> None:
+        self.source.toggle()
+        self.pump()
+
+    def action_seek(self, fraction: float) -> None:
+        self.source.seek_by(fraction)
+        self.pump()
+
+    def action_restart(self) -> None:
+        self.source.seek(self.source.first_step)
+        self.pump()
+
+    def action_to_end(self) -> None:
+        self.source.seek(self.source.last_step)
+        self.pump()
+
+    def action_speed(self, factor: float) -> None:
+        self.source.set_speed(factor)
+        self.pump()
+
+
 class VllmApp(App):
     TITLE = "kvscope · vLLM"
     BINDINGS = [Binding("q", "quit", "Quit")]
@@ -95,7 +130,8 @@ class VllmApp(App):
         self.auto_tick = auto_tick
 
     def get_default_screen(self) -> Screen:
-        return VllmScreen(self.source, auto_tick=self.auto_tick)
+        screen = VllmReplayScreen if hasattr(self.source, "seek") else VllmScreen
+        return screen(self.source, auto_tick=self.auto_tick)
 
     def pump(self) -> None:
         self.screen.pump()
@@ -108,3 +144,14 @@ def run_vllm(url: str | None, kv_events: str | None, kv_replay: str | None, *, i
         VllmApp(source, palette=palette).run()
     finally:
         source.close()
+
+
+def make_vllm_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,
+                         start_step: int | None = None, auto_tick: bool = True) -> VllmApp:
+    """A recorded vLLM (`kvscope record --vllm`) in the same view; the caller starts and closes its source."""
+    from kvscope.adapters.vllm_replay import VllmTraceSource
+
+    source = VllmTraceSource(path, speed=speed, playing=playing)
+    if start_step is not None:
+        source.seek(start_step)
+    return VllmApp(source, palette=palette, auto_tick=auto_tick)

@@ -12,7 +12,7 @@ from importlib import resources
 from .spec import WorkloadSpec, spec_from_dict
 
 # The order `--workload` help and error messages list them in.
-PRESET_NAMES = ("chat", "mixed", "long", "burst", "shared-prefix", "demo")
+PRESET_NAMES = ("chat", "mixed", "long", "burst", "shared-prefix", "demo", "realsize")
 
 
 def _load(name: str) -> WorkloadSpec:

@@ -18,9 +18,9 @@ class ExportStats:
 
 def export_trace(trace: str, perfetto: str | None = None, requests_csv: str | None = None,
                  steps_csv: str | None = None) -> ExportStats:
-    from kvscope.traces.reader import TraceReader
+    from kvscope.traces.reader import engine_trace
 
-    reader = TraceReader(trace)
+    reader = engine_trace(trace, "export")
     writers = []
     if perfetto:
         from kvscope.serve.export.perfetto import PerfettoWriter

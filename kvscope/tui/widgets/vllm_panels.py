@@ -25,6 +25,8 @@ class VllmHeader(StateWidget):
         t.append(" vLLM ", style="bold reverse")
         if st is None:
             return t
+        if st.replay:
+            t.append(f" {st.replay} ", style=f"bold {pal.warn}")
         if st.url:
             err = st.metrics.last_error
             t.append(f" {st.url} ", style=f"bold {pal.bad}" if err else "bold")
