@@ -28,7 +28,6 @@ from kvscope.protocol.codec import ProtocolError, UnknownEventType, decode
 from kvscope.protocol.events import INT64_MAX, VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
 from kvscope.traces.reader import TraceReader
 from tests.fakes.vllm import MODEL, FakeKvPublisher, FakeMetricsServer
-from tests.test_vllm_adapter import wait_for
 
 
 def _cache_fields(c: CacheView) -> dict:

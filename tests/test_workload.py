@@ -271,7 +271,7 @@ def test_forever_prefix_fraction_approximate():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_generates(name):
     spec = PRESETS[name]
-    assert spec.name == name and 64 <= spec.num_requests <= 256 and spec.description
+    assert spec.name == name and 24 <= spec.num_requests <= 256 and spec.description
     reqs = generate(spec, vocab_size=512, reserved_ids=3)
     assert len(reqs) == spec.num_requests
     assert all(r.prompt and r.max_tokens >= 1 for r in reqs)
@@ -290,6 +290,9 @@ def test_required_presets_exist_with_their_shapes():
     lp = PRESETS["long"].prompt_len.bounds()
     assert lp == (2048, 8192)
     assert PRESETS["demo"].arrival.kind == "burst" and PRESETS["demo"].arrival.background_rate > 0
+    real = PRESETS["realsize"]  # the README's real-size row (issue 20's setup)
+    assert real.num_requests == 24 and real.arrival.kind == "all"
+    assert real.prompt_len.bounds() == (32, 256) and real.output_len.bounds() == (16, 64)
 
 
 # ----------------------------------------------------------------- forever / burst / long
@@ -443,7 +446,7 @@ def test_load_spec_errors(tmp_path):
     with pytest.raises(KvscopeError) as ei:
         load_spec("chatt")
     assert str(ei.value) == ("unknown workload 'chatt' (choose from chat, mixed, long, burst, "
-                             "shared-prefix, demo or a .json file)")
+                             "shared-prefix, demo, realsize or a .json file)")
     with pytest.raises(KvscopeError, match="cannot read workload file"):
         load_spec(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"

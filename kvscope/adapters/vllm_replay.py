@@ -17,7 +17,7 @@ from kvscope.adapters.vllm_trace import batch_from, cache_from, metrics_from, re
 from kvscope.engine.errors import KvscopeError
 from kvscope.protocol.events import BACKEND_VLLM, VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
 from kvscope.traces.reader import TraceReader
-from kvscope.traces.replay import ReplayClock, event_time
+from kvscope.traces.replay import ReplayClock
 
 APPLY_LIMIT = 5000  # events applied per wake-up, so a fast replay still lets the screen take the lock
 IDLE_S = 0.05
@@ -122,7 +122,7 @@ class VllmTraceSource:
         due = self.clock.due(now, APPLY_LIMIT)
         for ev in due:
             self.apply(ev)
-        if due or self.clock.done:
+        if due:  # the label shows the last event's time; the clock is done right after its last pop
             self._label()
         return len(due)
 

@@ -18,12 +18,12 @@ from kvscope.engine.shapes import BUILTIN_SHAPES
 def _hf_model(config: EngineConfig):
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if device.type == "cpu":  # the thread count kvscope's rows ran with
-        torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     if config.model in BUILTIN_SHAPES:
         model = build_builtin(config.model, dtype=dtype, device=str(device), seed=config.seed)
     else:
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True).to(device)
+    if device.type == "cpu":  # the thread count kvscope's rows ran with
+        torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     return model.eval(), device
 
 

@@ -64,8 +64,8 @@ class EngineConfig:
     swap_space: float = setting(4.0, "CPU memory for swapped-out KV, in GiB", metavar="GIB")
     kv_cache_space: float | None = setting(None, "CPU: GiB for the KV cache (default: half of the available memory, "
                                                  "at most 4)", metavar="GIB")
-    cpu_threads: int | None = setting(None, "torch threads on CPU (default: half the cores, leaving room for "
-                                            "watchers)")
+    cpu_threads: int | None = setting(None, "torch threads on CPU (default: every core; `kvscope demo` leaves "
+                                            "its dashboard one)")
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV")
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)
@@ -151,6 +151,14 @@ def config_from_data(data: Any, where: str) -> EngineConfig:
     except KvscopeError as e:
         raise KvscopeError(f"{where}: {e}") from None
     return config
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def host_memory_bytes() -> int | None:

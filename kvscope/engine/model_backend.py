@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvscope.engine import kv_sizing
 from kvscope.engine.clock import WallClock
-from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes
+from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.models import LoadedModel, load_model
@@ -38,10 +36,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def default_cpu_threads() -> int:
-    """Half the cores: oversubscribed OpenMP threads spin-wait, so with the dashboard or event threads on
-    the same cores a step can take 10-50x longer. Leave them a core."""
-    return max(1, (os.cpu_count() or 2) // 2)
+def default_cpu_threads(cores: int | None = None) -> int:
+    """torch threads when --cpu-threads is left out: every core.
+
+    Measured on 2 cores with bench/thread_sweep.py (bench/results/threads-cpu.json): the
+    second thread pays for the tiny model at full batch (serve 1.20x, bench 1.05x) and for
+    a real-size one (qwen3-0.6b-shape serve 1.64x; beside a dashboard 2.28x). The one place it
+    did not is the tiny model's demo beside its dashboard (0.96x), so `kvscope demo` leaves
+    the dashboard a core (tui.demo.demo_threads).
+    """
+    return max(1, cores or usable_cores())
 
 
 class ModelBackend:
@@ -54,9 +58,11 @@ class ModelBackend:
         self.device = str(self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.on_cuda = self.torch_device.type == "cuda"
-        if not self.on_cuda:
-            torch.set_num_threads(config.cpu_threads or default_cpu_threads())
         self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
+        self.cpu_threads: int | None = None
+        if not self.on_cuda:
+            self.cpu_threads = config.cpu_threads or default_cpu_threads()
+            torch.set_num_threads(self.cpu_threads)
 
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model
@@ -107,4 +113,6 @@ class ModelBackend:
             config.pop(key, None)
         if self.on_cuda:  # lets `kvscope calibrate` find the GPU in the sim catalog
             config["device_name"] = torch.cuda.get_device_name(self.torch_device)
+        else:
+            config["cpu_threads"] = self.cpu_threads  # as chosen, when --cpu-threads was left out
         return config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from kvscope.engine.config import usable_cores
 from kvscope.engine.errors import KvscopeError
 from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 from kvscope.tui.launch import run_live
@@ -32,13 +33,24 @@ def sim_demo_args(gpu: str = "h100-sxm5") -> tuple[str, ...]:
             "--burst-every", "10")
 
 
+def demo_threads(cores: int | None = None) -> int:
+    """The demo engine's torch threads: every core but one, for the dashboard beside it.
+
+    Measured on 2 cores (bench/thread_sweep.py, bench/results/threads-cpu.json): the tiny
+    model's demo ran 4% faster on one thread than on two (14% in a first sweep), because
+    its steps are short and the dashboard's Python wants a core of its own. This holds for
+    small models only: qwen3-0.6b-shape beside the same dashboard ran 2.3x faster on two
+    threads, so everything else keeps the engine default of every core."""
+    return max(1, (cores or usable_cores()) - 1)
+
+
 def demo_command(events_addr: str, control_addr: str, *, device: str = "auto", model: str = "tiny",
                  workload: str = "demo", extra_args: tuple[str, ...] = (),
                  engine_args: tuple[str, ...] = DEMO_ENGINE_ARGS) -> list[str]:
-    """Later arguments win in argparse, so extra_args can override the demo's engine sizing."""
+    """Later arguments win in argparse, so extra_args can override the demo's engine sizing and threads."""
     return [sys.executable, "-m", "kvscope.cli", "serve", "--forever", "--workload", workload,
             "--events", events_addr, "--control", control_addr, "--device", device, "--model", model,
-            "--no-progress", *engine_args, *extra_args]
+            "--no-progress", "--cpu-threads", str(demo_threads()), *engine_args, *extra_args]
 
 
 def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str = DEFAULT_EVENTS_ADDR,

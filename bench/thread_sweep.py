@@ -1,0 +1,188 @@
+"""Output tok/s against --cpu-threads, per command, on this machine: how kvscope's CPU defaults were chosen.
+
+    python bench/thread_sweep.py [--threads 1,2] [--rounds 2] [--rows serve,bench] [--json FILE]
+    python bench/thread_sweep.py --report bench/results/threads-cpu.json
+
+Rows (each run in its own process, thread counts alternating A B B A ... so drift on a
+shared machine falls on both):
+- serve:      `kvscope serve --model tiny --workload realsize --num-requests 256` (all at once, so the
+              engine, not the arrival rate, sets the pace), nothing watching;
+- serve-real: `kvscope serve --model qwen3-0.6b-shape --workload realsize` (24 requests at once);
+- bench:      `kvscope bench --model tiny --workload realsize --num-requests 256 --modes chunked
+              --peers hf-generate-batch`
+              (kvscope's row and the peer's, both at the same thread count);
+- demo:       the demo's engine (`kvscope demo`'s own command line) with the dashboard watching in
+              a second process, as `make demo` runs them; tok/s counted from the step events over
+              a fixed window after a warm-up;
+- demo-real:  the same with --model qwen3-0.6b-shape: a real-size engine with a dashboard beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+def _kvscope(args: list[str], timeout: float) -> None:
+    subprocess.run([PY, "-m", "kvscope", *args], env=ENV, cwd=ROOT, check=True, capture_output=True, timeout=timeout)
+
+
+def serve(n: int, model: str = "tiny", workload: str = "realsize", requests: str | None = "256") -> float:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "serve.json")
+        extra = ["--num-requests", requests] if requests else []
+        _kvscope(["serve", "--device", "cpu", "--model", model, "--workload", workload, *extra,
+                  "--cpu-threads", str(n), "--no-progress", "--json", out], timeout=1200)
+        with open(out) as f:
+            return json.load(f)["summary"]["output_tok_per_s"]
+
+
+def bench(n: int) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "bench.json")
+        _kvscope(["bench", "--device", "cpu", "--model", "tiny", "--workload", "realsize", "--num-requests", "256",
+                  "--modes", "chunked", "--peers", "hf-generate-batch", "--cpu-threads", str(n), "--json", out],
+                 timeout=1200)
+        with open(out) as f:
+            rows = {r["name"]: r["output_tok_per_s"] for r in json.load(f)["rows"]}
+        return rows["chunked"], rows["hf-generate-batch"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DASHBOARD = """
+import asyncio, sys
+from kvscope.tui.app import KvscopeApp
+from kvscope.tui.sources import LiveSource
+source = LiveSource(sys.argv[1], sys.argv[2])
+app = KvscopeApp(source, address=sys.argv[1])
+async def go():
+    async with app.run_test(size=(160, 48)):
+        await asyncio.sleep(float(sys.argv[3]))
+asyncio.run(go())
+source.close()
+"""
+
+
+def demo(n: int, model: str = "tiny", warmup: float = 8.0, window: float = 25.0) -> float:
+    """The demo's engine and a dashboard process; output tokens per second seen in the step events."""
+    from kvscope.protocol.transport import Subscriber
+    from kvscope.tui.demo import demo_command
+
+    ev, ctl = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    cmd = demo_command(ev, ctl, device="cpu", model=model, extra_args=("--cpu-threads", str(n)))
+    engine = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tui = subprocess.Popen([PY, "-c", DASHBOARD, ev, ctl, str(warmup + window + 30)], env=ENV, cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sub = Subscriber(ev)
+    try:
+        start = None
+        tokens = 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            e = sub.recv(200)
+            if e is None or e.type != "step":
+                continue
+            if start is None:
+                start = time.monotonic() + warmup  # count only after the model is warm and a burst is in
+            now = time.monotonic()
+            if now >= start:
+                tokens += len(e.sampled)
+                if now - start >= window:
+                    return tokens / (now - start)
+        raise RuntimeError("the demo engine published no steps")
+    finally:
+        sub.close()
+        for p in (tui, engine):
+            p.send_signal(signal.SIGTERM)
+        for p in (tui, engine):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+ROWS = {
+    "serve": lambda n: {"kvscope": serve(n)},
+    "serve-real": lambda n: {"kvscope": serve(n, "qwen3-0.6b-shape", "realsize", None)},
+    "bench": lambda n: dict(zip(("kvscope", "hf-generate-batch"), bench(n))),
+    "demo": lambda n: {"kvscope": demo(n)},
+    "demo-real": lambda n: {"kvscope": demo(n, "qwen3-0.6b-shape", warmup=20.0, window=40.0)},
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma list (default: 1 and all cores)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--report", metavar="FILE", action="append", default=[],
+                   help="print the table of earlier --json results instead of measuring (repeatable)")
+    args = p.parse_args()
+    if args.report:
+        for path in args.report:
+            with open(path) as f:
+                saved = json.load(f)
+            per_row = saved.get("rounds_per_row")  # merged from several sweeps
+            rounds = ", ".join(f"{k} {v}" for k, v in per_row.items()) if per_row else saved["rounds"]
+            print(table(saved["runs"], saved["threads"], saved["cores"], rounds))
+        return 0
+    threads = sorted({int(x) for x in args.threads.split(",")})
+    rows = args.rows.split(",")
+    runs: dict = {r: {str(n): [] for n in threads} for r in rows}
+    for rnd in range(args.rounds):
+        order = threads if rnd % 2 == 0 else threads[::-1]
+        for row in rows:
+            for n in order:
+                got = ROWS[row](n)
+                runs[row][str(n)].append(got)
+                print(f"[threads] round {rnd + 1} {row} threads={n}: " +
+                      ", ".join(f"{k} {v:.1f} tok/s" for k, v in got.items()), file=sys.stderr, flush=True)
+    print(table(runs, threads, os.cpu_count(), args.rounds))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cores": os.cpu_count(), "threads": threads, "rounds": args.rounds, "runs": runs}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _median(vals: list[float]) -> float:
+    vals = sorted(vals)
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def table(runs: dict, threads: list[int], cores: int, rounds) -> str:
+    """Median tok/s per thread count, and the median of each round's ratio (most threads / fewest):
+    the ratio is taken within a round, so the machine's drift between rounds cancels."""
+    lo, hi = str(threads[0]), str(threads[-1])
+    lines = [f"cores={cores} rounds=({rounds}): output tok/s, median of rounds; ratio = t={hi} / t={lo} "
+             "within each round, median",
+             f"{'command':<12} {'row':<18} " + " ".join(f"{'t=' + str(n):>8}" for n in threads) + "    ratio"]
+    for row, per in runs.items():
+        for name in per[lo][0]:
+            med = [_median([r[name] for r in per[str(n)]]) for n in threads]
+            ratio = _median([b[name] / a[name] for a, b in zip(per[lo], per[hi]) if a[name]])
+            lines.append(f"{row:<12} {name:<18} " + " ".join(f"{m:>8.1f}" for m in med) + f"   {ratio:>5.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
