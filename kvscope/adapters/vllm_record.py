@@ -39,6 +39,7 @@ class VllmRecorder(NullListener):
         self.batches = 0
         self.replayed = 0
         self.unrecordable = 0  # events the reader would refuse (never written)
+        self.closed = False
         self.last_error: str | None = None
 
     def _t(self) -> float:
@@ -68,6 +69,8 @@ class VllmRecorder(NullListener):
         return snapshot_event(self.step, self._t(), st.cache, st.kv, st.metrics, self.wall_start)
 
     def _tick(self, event, model: str | None = None) -> None:
+        if self.closed:  # a source thread that outlived close()'s join (a scrape past its timeout)
+            return
         writer = self._writer(model)
         if writer.wants_snapshot:
             snap = self._snapshot()
@@ -102,6 +105,7 @@ class VllmRecorder(NullListener):
         self._tick(kv_event(self.step + 1, self._t(), seq, batch, replayed=replayed, kv=self.source.state.kv))
 
     def close(self) -> int:
+        self.closed = True
         if self.writer is None:
             return 0
         self.writer.close()
