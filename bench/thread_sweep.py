@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -163,12 +164,6 @@ def main() -> int:
     return 0
 
 
-def _median(vals: list[float]) -> float:
-    vals = sorted(vals)
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
 def table(runs: dict, threads: list[int], cores: int, rounds) -> str:
     """Median tok/s per thread count, and the median of each round's ratio (most threads / fewest):
     the ratio is taken within a round, so the machine's drift between rounds cancels."""
@@ -178,8 +173,8 @@ def table(runs: dict, threads: list[int], cores: int, rounds) -> str:
              f"{'command':<12} {'row':<18} " + " ".join(f"{'t=' + str(n):>8}" for n in threads) + "    ratio"]
     for row, per in runs.items():
         for name in per[lo][0]:
-            med = [_median([r[name] for r in per[str(n)]]) for n in threads]
-            ratio = _median([b[name] / a[name] for a, b in zip(per[lo], per[hi]) if a[name]])
+            med = [median([r[name] for r in per[str(n)]]) for n in threads]
+            ratio = median([b[name] / a[name] for a, b in zip(per[lo], per[hi]) if a[name]])
             lines.append(f"{row:<12} {name:<18} " + " ".join(f"{m:>8.1f}" for m in med) + f"   {ratio:>5.2f}x")
     return "\n".join(lines)
 

@@ -8,14 +8,15 @@ draws, exactly as for a live vLLM.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 
-from kvscope.adapters.vllm_source import VllmState, apply_batch
+from kvscope.adapters.vllm_source import ReplayPosition, VllmState, apply_batch
 from kvscope.adapters.vllm_trace import batch_from, cache_from, metrics_from, restore_kv, scrape_from
 from kvscope.engine.errors import KvscopeError
-from kvscope.protocol.events import BACKEND_VLLM, VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
+from kvscope.protocol.events import VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
 from kvscope.traces.reader import TraceReader
 from kvscope.traces.replay import ReplayClock
 
@@ -23,19 +24,13 @@ APPLY_LIMIT = 5000  # events applied per wake-up, so a fast replay still lets th
 IDLE_S = 0.05
 
 
-def is_vllm_trace(reader: TraceReader) -> bool:
-    return reader.hello.config.backend == BACKEND_VLLM
-
-
 class VllmTraceSource:
     def __init__(self, path: str | os.PathLike, *, speed: float = 1.0, playing: bool = True,
                  window_s: float = 30.0) -> None:
         self.path = os.fspath(path)
         self.reader = self.trace = TraceReader(self.path)
-        if not is_vllm_trace(self.reader):
+        if not self.reader.vllm_recording:
             raise KvscopeError(f"{self.path} is a kvscope engine trace, not a vLLM recording")
-        cfg = self.reader.hello.config.as_dict()
-        self.url = cfg.get("vllm_url")
         self.window_s = window_s
         self.summary = self.reader.summary()
         self.first_step = self.summary.first_step or 0
@@ -96,8 +91,8 @@ class VllmTraceSource:
                 pending = ev
                 break
             self.apply(ev)
-        rest = ([pending] if pending is not None else [])
-        self.clock.load(_chain(rest, it), time.monotonic(), start=self.t)
+        head = [pending] if pending is not None else []
+        self.clock.load(itertools.chain(head, it), time.monotonic(), start=self.t)
 
     # -- the player ----------------------------------------------------------------
     def start(self) -> "VllmTraceSource":
@@ -159,18 +154,6 @@ class VllmTraceSource:
 
     def _label(self) -> None:
         c = self.clock
-        mark = "■ end" if c.done else ("▶" if c.playing else "❚❚")
-        total = self.summary.t_last or 0.0
-        self.state.replay = (f"replay {os.path.basename(self.path)}  {mark} {c.speed:g}×  {_clock(self.t)} / "
-                             f"{_clock(total)}  tick {self.step}/{self.last_step}")
+        self.state.replay = ReplayPosition(os.path.basename(self.path), c.playing, c.done, c.speed, self.t,
+                                           self.summary.t_last or 0.0, self.step, self.last_step)
         self.state.version += 1
-
-
-def _chain(head: list, rest):
-    yield from head
-    yield from rest
-
-
-def _clock(t: float) -> str:
-    t = max(0, int(t))
-    return f"{t // 60}:{t % 60:02d}"

@@ -50,6 +50,20 @@ class NullListener:
 NULL_LISTENER = NullListener()
 
 
+@dataclass(frozen=True)
+class ReplayPosition:
+    """Where a recorded vLLM's playback is (adapters.vllm_replay); the header draws it."""
+
+    name: str
+    playing: bool
+    done: bool
+    speed: float
+    t: float
+    t_total: float
+    tick: int
+    last_tick: int
+
+
 @dataclass
 class VllmState:
     url: str | None
@@ -59,7 +73,7 @@ class VllmState:
     cache: CacheView = field(default_factory=CacheView)
     kv: KvStats = field(default_factory=KvStats)
     version: int = 0
-    replay: str | None = None  # a recorded run: the header's label (file, position, speed)
+    replay: ReplayPosition | None = None  # set when this is a recorded run played back
 
     def copy(self) -> "VllmState":
         """What the screen draws, copied under the source's lock while the threads keep writing."""

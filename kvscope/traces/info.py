@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 
-from ..protocol.events import BACKEND_VLLM, VllmKvEvent, VllmMetricsEvent
+from ..protocol.events import VllmKvEvent, VllmMetricsEvent
 from .reader import TraceReader
 
 __all__ = ["trace_info"]
@@ -31,73 +31,76 @@ def trace_info(path: str | os.PathLike, *, verify: bool = True) -> str:
     still checked). Raises ProtocolError for a file that is not a trace (the message is one
     line), OSError if it cannot be read."""
     r = TraceReader(path)
+    cfg = r.hello.config.as_dict()
+    vllm = _VllmCounts() if r.vllm_recording else None
     if verify:
-        r.verify()
+        r.verify(vllm)
     s = r.summary()
-    h = r.hello
     try:
-        started = _dt.datetime.fromtimestamp(h.wall_start, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        started = _dt.datetime.fromtimestamp(r.hello.wall_start, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     except (OverflowError, OSError, ValueError):
-        started = f"{h.wall_start!r} (wall clock)"
-    cfg = h.config.as_dict()
-    if cfg.get("backend") == BACKEND_VLLM:
-        return _vllm_info(path, r, s, started, cfg, verify)
-    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if k in cfg]
-    others = len([k for k in cfg if k not in _CONFIG_KEYS])
-    if others:
-        shown.append(f"(+{others} more)")
+        started = f"{r.hello.wall_start!r} (wall clock)"
     lines = [
         f"trace:      {os.fspath(path)}",
         f"format:     kvtrace v{s.format_version}, protocol v{s.protocol_version}, "
         f"{s.bytes} bytes, {s.chunks} chunks{'' if s.complete else ', no valid index'}"
         + ("" if verify else " (index trusted: chunks not checked)"),
         f"started:    {started}",
-        f"engine:     {' '.join(shown) if shown else '(no config)'}",
-        f"steps:      {s.steps}"
-        + (f" ({s.first_step}..{s.last_step})" if s.first_step is not None else ""),
-        f"time span:  {s.span:.3f}s ({_fmt_t(s.t_first)} .. {_fmt_t(s.t_last)} engine time)",
-        f"requests:   {s.requests} seen, {s.finished} finished, {s.rejects} rejected, "
-        f"{s.preemptions} preemptions",
-        f"events:     {s.events} (+hello), {s.dropped} dropped by the publisher",
     ]
-    return _with_warnings(lines, s.warnings)
-
-
-def _with_warnings(lines: list[str], warnings: list[str]) -> str:
-    if warnings:
-        lines.append(f"warnings:   {len(warnings)}")
-        lines.extend(f"  - {w}" for w in warnings)
+    lines += _engine_lines(s, cfg) if vllm is None else _vllm_lines(s, cfg, vllm if verify else None)
+    if s.warnings:
+        lines.append(f"warnings:   {len(s.warnings)}")
+        lines.extend(f"  - {w}" for w in s.warnings)
     else:
         lines.append("warnings:   none")
     return "\n".join(lines)
 
 
-def _vllm_info(path, r: TraceReader, s, started: str, cfg: dict, verify: bool) -> str:
+def _steps(s) -> str:
+    return f"{s.steps}" + (f" ({s.first_step}..{s.last_step})" if s.first_step is not None else "")
+
+
+def _engine_lines(s, cfg: dict) -> list[str]:
+    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if k in cfg]
+    others = len([k for k in cfg if k not in _CONFIG_KEYS])
+    if others:
+        shown.append(f"(+{others} more)")
+    return [
+        f"engine:     {' '.join(shown) if shown else '(no config)'}",
+        f"steps:      {_steps(s)}",
+        f"time span:  {s.span:.3f}s ({_fmt_t(s.t_first)} .. {_fmt_t(s.t_last)} engine time)",
+        f"requests:   {s.requests} seen, {s.finished} finished, {s.rejects} rejected, "
+        f"{s.preemptions} preemptions",
+        f"events:     {s.events} (+hello), {s.dropped} dropped by the publisher",
+    ]
+
+
+class _VllmCounts:
+    """Scrapes and KV batches of a recorded vLLM, counted during the verify pass."""
+
+    def __init__(self) -> None:
+        self.scrapes = self.failed = self.batches = self.replayed = 0
+
+    def __call__(self, ev) -> None:
+        if type(ev) is VllmMetricsEvent:
+            self.scrapes += 1
+            self.failed += ev.error is not None
+        elif type(ev) is VllmKvEvent:
+            self.batches += 1
+            self.replayed += ev.replayed
+
+
+def _vllm_lines(s, cfg: dict, counts: _VllmCounts | None) -> list[str]:
     """A recorded vLLM (`kvscope record --vllm`): what was watched, and its scrapes and KV batches."""
     watched = [f"{k.removeprefix('vllm_')}={_short(cfg[k], 60)}" for k in
                ("vllm_url", "vllm_kv_events", "vllm_kv_replay", "vllm_interval") if k in cfg]
     lines = [
-        f"trace:      {os.fspath(path)}",
-        f"format:     kvtrace v{s.format_version}, protocol v{s.protocol_version}, "
-        f"{s.bytes} bytes, {s.chunks} chunks{'' if s.complete else ', no valid index'}"
-        + ("" if verify else " (index trusted: chunks not checked)"),
-        f"started:    {started}",
         f"vLLM:       model={_short(cfg.get('model') or '-')} {' '.join(watched)}",
-        f"ticks:      {s.steps}" + (f" ({s.first_step}..{s.last_step})" if s.first_step is not None else "")
-        + " (a tick is one metrics scrape or one KV-event batch)",
+        f"ticks:      {_steps(s)} (a tick is one metrics scrape or one KV-event batch)",
         f"time span:  {s.span:.3f}s ({_fmt_t(s.t_first)} .. {_fmt_t(s.t_last)} since the recording started)",
     ]
-    if verify:
-        scrapes = failed = batches = replayed = 0
-        it = iter(r)
-        next(it)
-        for ev in it:
-            if type(ev) is VllmMetricsEvent:
-                scrapes += 1
-                failed += ev.error is not None
-            elif type(ev) is VllmKvEvent:
-                batches += 1
-                replayed += ev.replayed
-        lines.append(f"recorded:   {scrapes} scrapes ({failed} failed), {batches} KV batches ({replayed} replayed)")
+    if counts is not None:
+        lines.append(f"recorded:   {counts.scrapes} scrapes ({counts.failed} failed), {counts.batches} KV batches "
+                     f"({counts.replayed} replayed)")
     lines.append(f"events:     {s.events} (+hello)")
-    return _with_warnings(lines, s.warnings)
+    return lines

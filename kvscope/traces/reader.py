@@ -11,7 +11,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..protocol.codec import ProtocolError, UnknownEventType, decode, unpack_limited
 from ..protocol.events import BACKEND_VLLM, SNAPSHOT_TYPES, TICK_TYPES, HelloEvent
@@ -102,7 +102,7 @@ class TraceKindError(ProtocolError):
 def engine_trace(path: str | os.PathLike, command: str) -> "TraceReader":
     """Open a trace of a kvscope engine run; a recorded vLLM is a one-line TraceKindError naming ``command``."""
     reader = TraceReader(path)
-    if reader.hello.config.backend == BACKEND_VLLM:
+    if reader.vllm_recording:
         raise TraceKindError(f"{os.fspath(path)} is a recorded vLLM (kvscope record --vllm): {command} reads kvscope "
                              "engine traces; kvscope replay shows this one")
     return reader
@@ -355,6 +355,11 @@ class TraceReader:
     # ------------------------------------------------------------------ public API
 
     @property
+    def vllm_recording(self) -> bool:
+        """A watched vLLM's trace (`kvscope record --vllm`), not a kvscope engine's."""
+        return self.hello.config.backend == BACKEND_VLLM
+
+    @property
     def chunks(self) -> list[ChunkInfo]:
         return list(self._chunks)
 
@@ -377,22 +382,18 @@ class TraceReader:
         """Every event from the nearest snapshot at or before ``step`` to the end of the trace
         (no hello): what a player needs to jump to ``step`` and go on from there."""
         with self._src.open() as f:
-            i = 0
-            for j, c in enumerate(self._chunks):
-                if c.first_step <= step:
-                    i = j
-            while i < len(self._chunks):
+            events = None
+            while self._chunks and events is None:  # a bad chunk cuts the list: try what is left
+                i = self._chunk_for(step)
+                events = self._load(f, i)
+            if events is None:
+                return
+            yield from events[_last_snapshot(events, step, len(events) - 1):]
+            for i in range(i + 1, len(self._chunks)):
                 events = self._load(f, i)
                 if events is None:
                     return
-                if i == 0 or self._chunks[i].first_step <= step:
-                    start = 0
-                    for k, ev in enumerate(events):
-                        if type(ev) in SNAPSHOT_TYPES and ev.step <= step:
-                            start = k
-                    events = events[start:]
                 yield from events
-                i += 1
 
     def seek(self, step: int) -> list:
         """Events to rebuild the state at ``step``: the nearest snapshot at or before it,
@@ -404,37 +405,37 @@ class TraceReader:
         """
         with self._src.open() as f:
             while self._chunks:
-                i = 0
-                for j, c in enumerate(self._chunks):
-                    if c.first_step <= step:
-                        i = j
-                    else:
-                        break
-                events = self._load(f, i)
+                events = self._load(f, self._chunk_for(step))
                 if events is None:
                     continue  # chunk list was cut; try again with what is left
                 end = 0
                 for k, ev in enumerate(events):
                     if type(ev) in TICK_TYPES and ev.step <= step:
                         end = k
-                start = 0
-                for k in range(end, -1, -1):
-                    ev = events[k]
-                    if type(ev) in SNAPSHOT_TYPES and ev.step <= step:
-                        start = k
-                        break
-                return events[start : end + 1]
+                return events[_last_snapshot(events, step, end) : end + 1]
         return []
 
-    def verify(self) -> None:
+    def _chunk_for(self, step: int) -> int:
+        """The last chunk opening at or before ``step`` (the first when ``step`` precedes them all)."""
+        i = 0
+        for j, c in enumerate(self._chunks):
+            if c.first_step > step:
+                break
+            i = j
+        return i
+
+    def verify(self, on_event: Callable[[object], None] | None = None) -> None:
         """Read and decode every chunk (checksums, lengths, events), as `kvscope trace-info` does.
         Damage ends the trace at the bad chunk, with a warning naming its byte offset; the counts
-        of what is readable replace the index's in ``summary()``."""
+        of what is readable replace the index's in ``summary()``. ``on_event`` sees every event
+        of the pass (a caller's own counts, without reading the trace twice)."""
         tally = Tally()
         it = iter(self)
         next(it)  # hello
         for ev in it:
             tally.add(ev)
+            if on_event is not None:
+                on_event(ev)
         counted = tally.to_wire()
         counted["events"] += sum(self._unknown_at.values())  # the index counts what was written
         stats = self._stats if self.complete else None
@@ -478,6 +479,15 @@ class TraceReader:
 
 
 _COUNT_KEYS = ("events", "steps", "requests", "rejects", "preemptions", "finished", "dropped")
+
+
+def _last_snapshot(events: list, step: int, end: int) -> int:
+    """Index of the last snapshot at or before ``step`` in ``events[: end + 1]`` (0: the chunk's own)."""
+    for k in range(end, -1, -1):
+        ev = events[k]
+        if type(ev) in SNAPSHOT_TYPES and ev.step <= step:
+            return k
+    return 0
 
 
 def _check_stats(stats, chunks: list[ChunkInfo]) -> tuple[dict | None, str | None]:

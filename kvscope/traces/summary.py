@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.events import RejectEvent, RequestEvent, SnapshotEvent, StepEvent, VllmKvEvent, VllmMetricsEvent
+from ..protocol.events import TICK_TYPES, RejectEvent, RequestEvent, SnapshotEvent, StepEvent
 from ..quantiles import STANDARD, QuantileSketch
 
 
@@ -71,14 +71,7 @@ class Tally:
         self.events += 1
         t = type(ev)
         if t is StepEvent:
-            self.steps += 1
-            if self.first_step is None:
-                self.first_step = ev.step
-                self.t_first = float(ev.t)
-            self.last_step = ev.step
-            end = float(ev.t + ev.dur)
-            if self.t_last is None or end > self.t_last:
-                self.t_last = end
+            self._tick(ev, float(ev.t + ev.dur))  # a step ends when its event is sent
             self.preemptions += len(ev.preemptions)
             self.finished += len(ev.finished)
             self.dropped += ev.dropped
@@ -88,14 +81,17 @@ class Tally:
             self.rejects += 1
         elif t is SnapshotEvent:
             self.req_ids.update(r.req for r in ev.requests)
-        elif t is VllmMetricsEvent or t is VllmKvEvent:  # a recorded vLLM's ticks
-            self.steps += 1
-            if self.first_step is None:
-                self.first_step = ev.step
-                self.t_first = float(ev.t)
-            self.last_step = ev.step
-            if self.t_last is None or ev.t > self.t_last:
-                self.t_last = float(ev.t)
+        elif t in TICK_TYPES:  # a recorded vLLM's scrapes and KV batches
+            self._tick(ev, float(ev.t))
+
+    def _tick(self, ev, end: float) -> None:
+        self.steps += 1
+        if self.first_step is None:
+            self.first_step = ev.step
+            self.t_first = float(ev.t)
+        self.last_step = ev.step
+        if self.t_last is None or end > self.t_last:
+            self.t_last = end
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 
 from kvscope.engine.errors import KvscopeError
-from kvscope.protocol.events import BACKEND_VLLM
 from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
 
@@ -32,7 +31,7 @@ def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, 
     from kvscope.tui.sources import ReplayController, open_trace
 
     trace = open_trace(path)
-    if trace.hello.config.backend == BACKEND_VLLM:
+    if trace.vllm_recording:
         from kvscope.tui.vllm_app import make_vllm_replay_app
 
         return make_vllm_replay_app(path, palette=palette, speed=speed, playing=playing, start_step=start_step,

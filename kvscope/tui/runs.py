@@ -14,9 +14,9 @@ from typing import Any, Callable
 import bisect
 from array import array
 
-from kvscope.protocol.events import BACKEND_VLLM, RequestEvent, StepEvent
+from kvscope.protocol.events import RequestEvent, StepEvent
 from kvscope.traces.figures import RowTally
-from kvscope.traces.reader import TraceKindError
+from kvscope.traces.reader import engine_trace
 
 MAX_RUNS = 4
 
@@ -85,13 +85,11 @@ def differing_knobs(runs: list[Run]) -> list[str]:
 def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     """Open a trace; one pass for its figures and arrivals, then a paused controller."""
     from kvscope.protocol.codec import ProtocolError
-    from kvscope.tui.sources import ReplayController, open_trace
+    from kvscope.tui.sources import ReplayController
 
     run = Run(path=path, label=label)
     try:
-        trace = open_trace(path)
-        if trace.hello.config.backend == BACKEND_VLLM:
-            raise TraceKindError(f"{path} is a recorded vLLM: compare lines up kvscope engine traces")
+        trace = engine_trace(path, "compare")
         run.config = trace.hello.config.as_dict()
         acc = RowTally(_int(run.config.get("block_size"), 16))
         prompt_tokens = max_tokens = 0

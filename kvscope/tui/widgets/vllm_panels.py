@@ -25,8 +25,11 @@ class VllmHeader(StateWidget):
         t.append(" vLLM ", style="bold reverse")
         if st is None:
             return t
-        if st.replay:
-            t.append(f" {st.replay} ", style=f"bold {pal.warn}")
+        if st.replay is not None:
+            r = st.replay
+            mark = "■ end" if r.done else ("▶" if r.playing else "❚❚")
+            t.append(f" replay {r.name}  {mark} {r.speed:g}×  {fmt.dur(r.t)} / {fmt.dur(r.t_total)}  "
+                     f"tick {r.tick}/{r.last_tick} ", style=f"bold {pal.warn}")
         if st.url:
             err = st.metrics.last_error
             t.append(f" {st.url} ", style=f"bold {pal.bad}" if err else "bold")
