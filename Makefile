@@ -33,6 +33,7 @@ screenshots: $(STAMP)
 	$(BIN)/python -m kvscope.tui.screenshots traces/demo-cpu.kvtrace screenshots/
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-lesson.svg traces/race-lesson/*.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-cpu.svg traces/race-cpu/*.kvtrace
+	$(BIN)/python -m kvscope.tui.screenshots --vllm screenshots/vllm-replay.svg traces/vllm/kvscope-as-vllm.kvtrace
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

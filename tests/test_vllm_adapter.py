@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvscope.adapters.vllm_cache import CacheView
-from kvscope.adapters.vllm_metrics import MetricsView, parse, quantile
+from kvscope.adapters.vllm_metrics import parse, quantile
 from kvscope.adapters.vllm_source import VllmSource
 from kvscope.adapters.vllm_wire import WireError, decode_batch
 from tests.fakes.vllm import FakeKvPublisher, FakeMetricsServer
@@ -279,3 +279,43 @@ def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding)
         source.close()
         pub.close()
         engine.close()
+
+
+def test_a_replay_longer_than_zmqs_send_queue_arrives_whole():
+    """3,000 batches before the view starts: more than a ROUTER queues by default (1,000 messages).
+    The publisher must not drop any of them, and the view ends with every block."""
+    from kvscope.adapters.vllm_publisher import VllmKvPublisher
+
+    pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=16)
+    source = None
+    try:
+        for k in range(3000):
+            pub.stored(k + 1, k if k else None, tuple(range(16)))
+            pub.flush()
+        source = VllmSource(kv_events=pub.address, kv_replay=pub.replay_address).start()
+        assert wait_for(lambda: source.state.kv.last_seq == pub.last_seq)
+        with source.lock:
+            assert source.state.kv.replayed == 3000 and source.state.kv.missed == 0
+            assert source.state.cache.cached_blocks == 3000 and source.state.cache.max_depth == 3000
+    finally:
+        if source is not None:
+            source.close()
+        pub.close()
+
+
+def test_batches_a_replay_skips_are_counted_as_missed():
+    """A replay answer with a hole in its seqs (a ROUTER that dropped frames): the view says so."""
+    pub = FakeKvPublisher(legacy=False)
+    source = None
+    try:
+        for k in range(6):
+            pub.publish([pub.stored([k + 1], k or None)], ts=float(k))
+        pub.replay_skips = {2, 3}
+        source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
+        assert wait_for(lambda: source.state.kv.last_seq == 5)
+        with source.lock:
+            assert source.state.kv.replayed == 4 and source.state.kv.missed == 2
+    finally:
+        if source is not None:
+            source.close()
+        pub.close()

@@ -320,3 +320,24 @@ def test_hostile_values_never_make_an_unreadable_trace(tmp_path):
     st = src.state
     assert st.metrics.gauge("num_requests_waiting") == 4 and st.metrics.gauge("num_requests_running") is None
     assert st.metrics.last.skipped >= 2 and st.cache.cached_blocks == 2
+
+
+def test_the_shipped_recording_replays_whole_and_consistent():
+    """traces/vllm/kvscope-as-vllm.kvtrace: `kvscope serve --kv-events-vllm --http` (tiny, demo workload,
+    --num-blocks 384) recorded through its vLLM-named /metrics and vLLM-format KV events."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "traces", "vllm", "kvscope-as-vllm.kvtrace")
+    reader = TraceReader(path)
+    reader.verify()
+    assert reader.warnings == [] and reader.vllm_recording
+    src = VllmTraceSource(path, playing=False)
+    most = 0
+    with src.lock:
+        while not src.clock.done:
+            src.apply(src.clock.step(time.monotonic()))
+            most = max(most, src.state.cache.cached_blocks)
+    st = src.state
+    assert 0 < most <= 384, "never more cached blocks than the engine's pool"
+    assert st.cache.unknown_removed == 0 and st.kv.missed == 0 and st.kv.replayed > 0
+    assert st.metrics.gauge("num_requests_running") is not None

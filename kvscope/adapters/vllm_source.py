@@ -265,6 +265,10 @@ class VllmSource:
                 if seq == END_SEQ:
                     break
                 if seq > self.state.kv.last_seq:
+                    hole = seq - max(self.state.kv.last_seq + 1, start)
+                    if hole > 0:  # not in the answer either (dropped by the ROUTER, or past its buffer)
+                        with self.lock:
+                            self.state.kv.missed += hole
                     self._apply(seq, frames[1], replayed=True)
                     applied += 1
                 deadline = time.monotonic() + REPLAY_TIMEOUT_S

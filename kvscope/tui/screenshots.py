@@ -1,7 +1,8 @@
-"""Deterministic SVG screenshots of the dashboard, request detail, replay and compare screens.
+"""Deterministic SVG screenshots of the dashboard, request detail, replay, compare and vLLM screens.
 
     python -m kvscope.tui.screenshots TRACE.kvtrace OUTDIR [--step N]
     python -m kvscope.tui.screenshots --compare OUT.svg TRACE TRACE [TRACE TRACE] [--at SECONDS]
+    python -m kvscope.tui.screenshots --vllm OUT.svg TRACE [--step N]
 
 The replay is paused and driven by keys, on a clock that never moves, so the same
 trace gives the same SVGs byte for byte. Without ``--step`` the script picks the
@@ -105,6 +106,28 @@ def make_compare_screenshot(paths: list[str], out_path: str, size: tuple[int, in
     return out_path
 
 
+async def _shoot_vllm(path: str, out_path: str, size: tuple[int, int], step: int | None) -> None:
+    from kvscope.tui.launch import make_replay_app
+
+    app = make_replay_app(path, playing=False, auto_tick=False)
+    src = app.source
+    # Default tick: 70% in, with the cache full and turning over and the window's rates set.
+    src.seek(step if step is not None else src.first_step + 7 * (src.last_step - src.first_step) // 10)
+    async with app.run_test(size=size) as pilot:
+        app.screen._top_at = float("-inf")  # the prefix list refreshes once a second: draw it now
+        app.pump()
+        await pilot.pause()
+        svg = app.export_screenshot(title="kvscope vLLM replay")
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write(svg)
+
+
+def make_vllm_screenshot(path: str, out_path: str, size: tuple[int, int] = (120, 30), step: int | None = None) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    asyncio.run(_shoot_vllm(path, out_path, size, step))
+    return out_path
+
+
 def make_screenshots(trace_path: str, outdir: str, step: int | None = None) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     written = []
@@ -121,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="step for the dashboard and detail shots")
     p.add_argument("--compare", metavar="OUT.svg", default=None, help="one compare screenshot of the traces")
     p.add_argument("--at", type=float, default=None, help="with --compare: seconds since the first arrival")
+    p.add_argument("--vllm", metavar="OUT.svg", default=None, help="one shot of a recorded vLLM in the vLLM view")
     args = p.parse_args(argv)
+    if args.vllm:
+        if len(args.paths) != 1:
+            p.error("give one recorded vLLM trace with --vllm")
+        print(make_vllm_screenshot(args.paths[0], args.vllm, step=args.step))
+        return 0
     if args.compare:
         print(make_compare_screenshot(args.paths, args.compare, at=args.at))
         return 0

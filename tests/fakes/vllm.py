@@ -103,6 +103,7 @@ class FakeKvPublisher:
         rport = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.replay_addr = f"tcp://127.0.0.1:{rport}"
         self.buffer: list[tuple[int, bytes]] = []
+        self.replay_skips: set[int] = set()  # seqs the replay answer leaves out (a ROUTER that dropped them)
         self.seq = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -147,7 +148,7 @@ class FakeKvPublisher:
             first = int.from_bytes(start, "big")
             with self._lock:
                 for seq, payload in self.buffer:
-                    if seq >= first:
+                    if seq >= first and seq not in self.replay_skips:
                         self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
                 self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
