@@ -8,7 +8,7 @@ import os
 import msgspec
 import pytest
 
-from kvscope.analysis.cli import run_config
+from kvscope.cli.diagnose import run_config
 from kvscope.analysis.diagnose import NoSteps, diagnose_events, diagnose_trace, to_json
 from kvscope.analysis.figures import RunFigures
 from kvscope.analysis.predict import apply_knob
@@ -202,8 +202,9 @@ def test_diagnose_without_what_if_loads_no_engine_or_torch(tmp_path):
     trace = str(tmp_path / "t.kvtrace")
     _record(trace, dict(backend="sim", model="llama-3.1-8b", gpu="h100-sxm5", max_num_seqs=4), "chat", 10)
     code = ("import sys; from kvscope.cli import main; rc = main(['diagnose', sys.argv[1], '--no-what-if']); "
-            "heavy = ('kvscope.engine.llm_engine', 'kvscope.engine.models', 'kvscope.engine.scheduler'); "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(heavy)]; "
+            "flags = ('kvscope.engine', 'kvscope.engine.config', 'kvscope.engine.errors'); "
+            "bad = sorted(m for m in sys.modules if m in ('torch', 'transformers') "
+            "or (m.startswith('kvscope.engine') and m not in flags)); "
             "print('LOADED', bad); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code, trace], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -214,7 +215,7 @@ def test_diagnose_without_what_if_loads_no_engine_or_torch(tmp_path):
 def _tiny_events(n: int, prompt_len: int, max_tokens: int, **settings) -> list:
     """A tiny-model run on the CPU: n requests arriving at once."""
     from kvscope import workload as wl
-    from kvscope.analysis.cli import _ListSink
+    from kvscope.protocol.sinks import ListSink as _ListSink
     from kvscope.serve.driver import ServeOptions, Server
 
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", cpu_threads=1, **settings))

@@ -235,7 +235,8 @@ def test_dashboard_from_deltas_equals_snapshots(models, recorder, policy):
 
 
 def test_cli_feature_flags_reach_the_config_and_bad_ones_fail_in_one_line(capsys):
-    from kvscope.cli import _engine_config, build_parser, main
+    from kvscope.cli import build_parser, main
+    from kvscope.cli.common import engine_config as _engine_config
 
     args = build_parser().parse_args(["serve", "--prefix-caching", "--preemption", "swap", "--swap-space", "0.5",
                                       "--policy", "priority"])

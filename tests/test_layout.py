@@ -148,23 +148,28 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _is_command_module(name: str) -> bool:
-    return name in ("kvscope.cli", "kvscope.__main__") or name.startswith("kvscope.cli_")
-
-
 def test_no_import_cycles_inside_kvscope():
-    """Function-level imports count too (a cycle hidden inside a function is still a cycle), with one
-    exception: command modules (kvscope.cli_*, kvscope.__main__) may reach back into kvscope.cli for its shared helpers."""
+    """Function-level imports count too: a cycle hidden inside a function is still a cycle. No exceptions."""
     graph = _import_graph()
     assert graph["kvscope.engine.llm_engine"], "the walk found no imports at all"
-    below_cli = {m: {d for d in deps if not (d == "kvscope.cli" and _is_command_module(m))}
-                 for m, deps in graph.items()}
-    assert _cycles(below_cli) == []
+    assert graph["kvscope.cli.main"], "the walk found no imports of the CLI"
+    assert _cycles(graph) == []
 
 
-def test_only_command_modules_import_the_cli():
+def test_only_the_cli_imports_the_cli():
     graph = _import_graph()
-    assert sorted(m for m, deps in graph.items() if "kvscope.cli" in deps and not _is_command_module(m)) == []
+    outside = [m for m, deps in graph.items() if not (m.startswith("kvscope.cli") or m == "kvscope.__main__")
+               and any(d.startswith("kvscope.cli") for d in deps)]
+    assert outside == []
+
+
+def test_every_command_is_its_own_module():
+    from kvscope.cli.main import COMMANDS
+
+    modules = [type(c).__module__ for c in COMMANDS]
+    assert len(set(modules)) == len(modules), modules
+    assert all(m.startswith("kvscope.cli.") for m in modules)
+    assert len({c.name for c in COMMANDS}) == len(COMMANDS)
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -8,7 +8,7 @@ import functools
 from fakes.sources import ListSource
 
 from kvscope import workload as wl
-from kvscope.analysis.cli import _ListSink
+from kvscope.protocol.sinks import ListSink as _ListSink
 from kvscope.analysis.signals import StepLog
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine

@@ -117,7 +117,8 @@ def test_demo_command_line():
 
 
 def test_sim_demo_command_is_a_valid_sim_serve():
-    from kvscope.cli import _engine_config, build_parser
+    from kvscope.cli import build_parser
+    from kvscope.cli.common import engine_config as _engine_config
     from kvscope.tui.demo import SIM_DEMO_MODEL, demo_command, sim_demo_args
 
     cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", model=SIM_DEMO_MODEL, workload="mixed",

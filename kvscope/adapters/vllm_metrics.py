@@ -14,11 +14,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvscope.errors import KvscopeError
+
 MAX_TEXT_BYTES = 8 << 20
 PREFIX = "vllm:"
 
 
-class MetricsError(Exception):
+class MetricsError(KvscopeError):
     """Metric text that cannot be read (one line)."""
 
 

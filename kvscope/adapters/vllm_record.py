@@ -96,6 +96,7 @@ class VllmRecorder(NullListener):
         self._tick(metrics_event(self.step + 1, scrape.t - self.wall_start, scrape), scrape.model)
 
     def scrape_failed(self, message: str) -> None:
+        self.scrapes += 1  # a failed scrape is still a scrape, as trace-info counts it
         self.failed += 1
         self._tick(failed_scrape_event(self.step + 1, self._t(), message))
 

@@ -23,6 +23,8 @@ from typing import Any, Union
 
 import msgspec
 
+from kvscope.errors import KvscopeError
+
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_DEPTH = 32  # vLLM's events nest at most 4 deep (batch, events, event, extra_keys)
 SEQ_BYTES = 8
@@ -31,7 +33,7 @@ END_SEQ = -1
 BlockHash = Union[int, bytes]
 
 
-class WireError(Exception):
+class WireError(KvscopeError):
     """A frame or payload that is not vLLM's format (the message is one line)."""
 
 

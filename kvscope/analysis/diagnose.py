@@ -20,6 +20,7 @@ from kvscope.analysis.knobs import Knob
 from kvscope.analysis.signals import Signals, StepLog, measure
 from kvscope.analysis.verdicts import Evidence
 from kvscope.analysis.whatif import TraceRequests
+from kvscope.errors import KvscopeError
 from kvscope.protocol.events import StepEvent
 
 MIN_BUSY_STEPS = 8  # fewer busy steps than this: too little to judge
@@ -52,7 +53,7 @@ class Diagnosis(msgspec.Struct, kw_only=True):
     signals: Signals | None = None
 
 
-class NoSteps(ValueError):
+class NoSteps(KvscopeError, ValueError):
     """The stream holds no step: there is nothing to diagnose."""
 
 

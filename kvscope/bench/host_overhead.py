@@ -171,13 +171,3 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['case']:<30} {r['tokens']:>6} {r['old_us']:>12.0f} us {r['new_us']:>8.0f} us "
                      f"{r['speedup']:>7.1f}x")
     return "\n".join(lines)
-
-
-def cmd_host_overhead(args, write_json) -> int:
-    import sys
-
-    result = run_host_overhead(log=lambda m: print(m, file=sys.stderr))
-    print(format_table(result))
-    if args.json:
-        write_json(args.json, result)
-    return 0

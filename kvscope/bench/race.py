@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass, replace
 
 from kvscope.engine.config import EngineConfig
+from kvscope.errors import KvscopeError
 
 LABELS = "ABCD"
 MAX_RUNS = len(LABELS)
 
 
-class RaceError(Exception):
+class RaceError(KvscopeError):
     """A race that cannot be run as asked (one line)."""
 
 

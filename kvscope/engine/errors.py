@@ -1,12 +1,8 @@
-"""User-facing errors: each carries a one-line message and is printed without a traceback.
+"""User-facing errors of the engine: each carries a one-line message and is printed without a traceback."""
 
-KvscopeError is deliberately not a ValueError: the CLI turns a KvscopeError into one
-line and exit status 2, while a ValueError from a bug keeps its traceback.
-"""
+from kvscope.errors import KvscopeError
 
-
-class KvscopeError(Exception):
-    """A mistake in what the user asked for (bad config, bad prompt, bad path, bad file)."""
+__all__ = ["KvscopeError", "RequestRejected"]
 
 
 class RequestRejected(KvscopeError):

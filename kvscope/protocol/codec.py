@@ -24,6 +24,8 @@ from typing import Annotated, Any, Union
 import msgspec
 from msgspec import Meta
 
+from kvscope.errors import KvscopeError
+
 from . import events as E
 from .events import MAX_LIST_LEN, MAX_NAME_LEN, MAX_TEXT_LEN, Count, CountList, Int
 
@@ -49,7 +51,7 @@ MAX_DEPTH = 8  # nesting of arrays and maps, the event map itself included
 MAX_ERROR_LEN = 160  # error messages never quote more than this
 
 
-class ProtocolError(ValueError):
+class ProtocolError(KvscopeError, ValueError):
     """Anything malformed: bad msgpack, wrong types, out-of-range values, oversize."""
 
 

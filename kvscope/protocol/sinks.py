@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, runtime_checkable
 
-__all__ = ["EventSink", "FanOut"]
+__all__ = ["EventSink", "FanOut", "ListSink"]
 
 
 @runtime_checkable
@@ -59,3 +59,16 @@ class FanOut:
                     err = e
         if err is not None:
             raise err
+
+
+class ListSink:
+    """Keeps every event in a list: an in-process run whose events are read afterwards."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def close(self) -> None:
+        pass

@@ -14,6 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
+from kvscope.errors import KvscopeError
 from kvscope.tui.palette import CB, DEFAULT, get_palette
 from kvscope.tui.runs import MAX_RUNS, Run, load_run
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
@@ -29,7 +30,7 @@ MAX_FPS = 30.0
 LABELS = "ABCD"
 
 
-class CompareError(Exception):
+class CompareError(KvscopeError):
     """A compare the user asked for that cannot be shown (one line)."""
 
 

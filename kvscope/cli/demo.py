@@ -1,0 +1,27 @@
+"""`kvscope demo`: an engine and the dashboard on it, in one command."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvscope.cli.command import Command
+from kvscope.cli.common import add_palette
+from kvscope.engine.config import SIM_GPUS
+
+
+class Demo(Command):
+    name = "demo"
+    help = "engine + dashboard"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+        p.add_argument("--sim", action="store_true",
+                       help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
+        p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
+        add_palette(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvscope.tui.demo import run_demo
+
+        run_demo(palette=args.palette, device=args.device, sim_gpu=args.gpu if args.sim else None)
+        return 0

@@ -1,0 +1,64 @@
+"""`kvscope diagnose`: name the bottleneck of a trace, or of a sim config run here, and the knobs to turn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvscope.cli.command import Command
+from kvscope.cli.common import UsageError, check_output_path, engine_args, engine_config, int_type, workload_args
+
+
+class Diagnose(Command):
+    name = "diagnose"
+    help = "name the bottleneck of a trace (or of a sim config) and the knobs to turn"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("file", nargs="?", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
+        p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
+        p.add_argument("--window", type=int_type(1), default=None, metavar="N", help="judge only the last N steps")
+        p.add_argument("--no-what-if", action="store_true", help="skip re-running the requests in the sim")
+        engine_args(p)
+        workload_args(p, "mixed")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvscope.analysis.diagnose import diagnose_events, diagnose_trace, to_json
+        from kvscope.analysis.report import format_text
+
+        check_output_path(args.json, inputs=[args.file])
+        what_if = not args.no_what_if
+        if args.file:
+            d = diagnose_trace(args.file, window=args.window, what_if=what_if)
+        elif args.backend == "sim":
+            from kvscope.workload import load_spec
+
+            load_spec(args.workload)  # a bad workload fails before the run
+            config = engine_config(args)  # flags left out take the config's defaults
+            events = run_config(config, args.workload, args.num_requests, config.seed)
+            source = f"sim run of workload {args.workload} ({config.model} on {config.gpu})"
+            d = diagnose_events(events, window=args.window, what_if=what_if, source=source)
+        else:
+            raise UsageError("give a trace file, or --backend sim with a config to run and diagnose")
+        print(format_text(d), flush=True)
+        if args.json:
+            try:
+                with open(args.json, "wb") as f:
+                    f.write(to_json(d) + b"\n")
+            except OSError as e:
+                raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
+            print(f"wrote {args.json}", file=sys.stderr)
+        return 0
+
+
+def run_config(config, workload: str, num_requests: int | None, seed: int) -> list:
+    """Serve the workload on the sim with this config; the events it published."""
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.protocol.sinks import ListSink
+    from kvscope.serve.driver import ServeOptions, Server
+
+    sink = ListSink()
+    engine = LLMEngine(config, sink=sink)
+    Server(engine, ServeOptions(workload=workload, num_requests=num_requests, seed=seed,
+                                verbose_rejects=False)).run()
+    engine.close()
+    return sink.events

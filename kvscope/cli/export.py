@@ -1,0 +1,34 @@
+"""`kvscope export`: a .kvtrace as a Perfetto timeline and CSV tables (docs/EXPORT.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvscope.cli.command import Command
+from kvscope.cli.common import UsageError, check_output_path
+
+
+class Export(Command):
+    name = "export"
+    help = "a .kvtrace as Perfetto/chrome://tracing JSON and CSV tables (docs/EXPORT.md)"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("file")
+        p.add_argument("--perfetto", metavar="OUT.json", help="Chrome trace event JSON for Perfetto or chrome://tracing")
+        p.add_argument("--requests", metavar="OUT.csv", help="one row per request")
+        p.add_argument("--steps", metavar="OUT.csv", help="one row per scheduler step")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from kvscope.serve.export import export_trace
+
+        outputs = [("--perfetto", args.perfetto), ("--requests", args.requests), ("--steps", args.steps)]
+        given = [(flag, path) for flag, path in outputs if path]
+        if not given:
+            raise UsageError("export needs at least one of --perfetto OUT.json, --requests OUT.csv, --steps OUT.csv")
+        for i, (flag, path) in enumerate(given):
+            check_output_path(path, inputs=[args.file, *(other for _, other in given[:i])])
+        stats = export_trace(args.file, perfetto=args.perfetto, requests_csv=args.requests, steps_csv=args.steps)
+        print(f"exported {stats.steps} steps, {stats.requests} requests ({stats.slices} slices on "
+              f"{stats.lanes} request lanes)", file=sys.stderr)
+        return 0
