@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(BIN)/kvscope demo
 
 test: $(STAMP)
+	@sh scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -34,6 +35,8 @@ screenshots: $(STAMP)
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-lesson.svg traces/race-lesson/*.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-cpu.svg traces/race-cpu/*.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --vllm screenshots/vllm-replay.svg traces/vllm/kvscope-as-vllm.kvtrace
+	@sh scripts/ensure-chromium.sh
+	KVSCOPE=$(BIN)/kvscope sh scripts/report-screenshot.sh screenshots/report-race-lesson.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -21,6 +21,7 @@ from kvscope.cli.export import Export
 from kvscope.cli.race import Race
 from kvscope.cli.record import Record
 from kvscope.cli.replay import Replay
+from kvscope.cli.report import Report
 from kvscope.cli.serve import Serve
 from kvscope.cli.trace_info import TraceInfo
 from kvscope.cli.tui import Tui
@@ -29,7 +30,8 @@ from kvscope.errors import KvscopeError
 
 # in the order `kvscope --help` lists them
 COMMANDS: tuple[Command, ...] = (Serve(), Bench(), BenchFeatures(), Tui(), Demo(), Replay(), Record(), Calibrate(),
-                                 Compare(), Race(), Web(), Diagnose(), Export(), TraceInfo())
+                                 Compare(), Race(), Web(), Diagnose(), Export(), TraceInfo(),
+                                 Report())
 
 
 def build_parser() -> argparse.ArgumentParser:
