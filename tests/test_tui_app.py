@@ -15,6 +15,8 @@ from fakes.streams import SimRun, sim_stream
 from kvscope.protocol import decode, encode
 from kvscope.protocol.events import StepEvent
 from kvscope.tui.app import KvscopeApp
+from kvscope.tui.feeds import ReplayFeed
+from kvscope.tui.player import Player
 from kvscope.tui.palette import CB
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
 from kvscope.tui.sources import LiveSource, ReplayController
@@ -48,7 +50,8 @@ def events():
 def replay_app(events, **kw):
     clock = FixedClock()
     rc = ReplayController(MemoryTrace(events), playing=False, clock=clock)
-    return KvscopeApp(rc, auto_tick=False, **kw), rc, clock
+    player = Player([rc], playing=False, clock=clock)
+    return KvscopeApp([ReplayFeed(rc)], player, auto_tick=False, **kw), rc, clock
 
 
 def text_of(widget) -> str:
@@ -83,26 +86,35 @@ async def test_replay_keys(events):
         assert rc.step_t[rc.steps.index(app.state.step)] <= 1.0 < rc.step_t[rc.steps.index(app.state.step) + 1]
         await pilot.press("left")  # back across a snapshot boundary: seek via the trace
         assert app.state.step == rc.steps[rc.steps.index(rc.cur_step)] and not app.state.stale
+        player = app.player
         await pilot.press("plus")
-        assert rc.speed == 2.0
+        assert player.speed == 2.0
         await pilot.press("minus", "minus")
-        assert rc.speed == 0.5
+        assert player.speed == 0.5
         for _ in range(12):
-            rc.faster()
-        assert rc.speed == 100.0
+            player.faster()
+        assert player.speed == 100.0
         for _ in range(12):
-            rc.slower()
-        assert rc.speed == 0.1
+            player.slower()
+        assert player.speed == 0.1
         for _ in range(6):
-            rc.faster()
-        assert rc.speed == 10.0
+            player.faster()
+        assert player.speed == 10.0
         await pilot.press("space")
-        assert rc.playing
+        assert player.playing
         clock.t += 1.0  # 10 s of trace time: to the end
         app.pump()
-        assert app.state.step == rc.last_step and rc.done and app.state.ended == "drained"
+        assert app.state.step == rc.last_step and player.status().done and app.state.ended == "drained"
         await pilot.press("space")  # at the end, space restarts from the top
-        assert rc.playing and app.state.step <= rc.first_step
+        assert player.playing and app.state.step <= rc.first_step
+        # big jumps: a tenth of the trace, then the ends
+        await pilot.press("space", "shift+end")
+        assert app.state.step == rc.last_step
+        await pilot.press("shift+home", "shift+right")
+        tenth = player.status()
+        assert rc.first_step < app.state.step < rc.last_step and tenth.t > tenth.start_t
+        await pilot.press("shift+left")
+        assert player.status().t == tenth.start_t
 
 
 @async_test
@@ -115,12 +127,13 @@ async def test_navigation_detail_and_help(events):
         running = app.query_one("#running", QueueTable)
         assert running.has_focus and running.ids == app.state.running
         await pilot.press("down")
-        assert app.selected == app.state.running[1]
+        dash = app.screen
+        assert dash.selected == app.state.running[1]
         blockmap = app.screen.query_one(BlockMap)
-        assert blockmap.selected == app.selected and "▣" in text_of(blockmap)
+        assert blockmap.selected == dash.selected and "▣" in text_of(blockmap)
         await pilot.press("enter")
         await pilot.pause()
-        assert isinstance(app.screen, RequestDetailScreen) and app.screen.req == app.selected
+        assert isinstance(app.screen, RequestDetailScreen) and app.screen.req == dash.selected
         await pilot.press("escape")
         await pilot.pause()
         await pilot.press("tab")  # to WAITING

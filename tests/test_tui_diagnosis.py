@@ -48,7 +48,7 @@ async def test_d_opens_the_panel_and_the_verdict_follows_a_burst():
     events, at = _quiet_then_burst()
     source = ListSource(events[:at], connection=CONN_LIVE)
     app = KvscopeApp(source, mode="live", auto_tick=False)
-    app.diagnosis_log = StepLog(window=400)
+    app.feeds[0].log = StepLog(window=400)  # the window the panel judges
     async with app.run_test(size=(100, 34)) as pilot:
         app.pump()
         await pilot.press("d")

@@ -1,9 +1,9 @@
 """A recorded vLLM (`kvscope record --vllm`) played back into the same VllmState the live view draws.
 
-VllmTraceSource has the live VllmSource's face (``state``, ``lock``, ``start``, ``close``)
-plus the player's controls: pause, speed, seek. One thread pops the events whose time
-has come (traces.replay.ReplayClock) and applies them under the lock; the screen's timer
-draws, exactly as for a live vLLM.
+VllmTraceSource has the live VllmSource's face (``state``, ``lock``, ``close``) and is a
+cursor for the TUI's one player (``kvscope.tui.player``): its steps are the recorder's
+ticks, and ``seek(tick)`` applies the events up to that tick (forward, in order; back,
+from the nearest chunk snapshot). The player decides when; nothing here keeps time.
 """
 
 from __future__ import annotations
@@ -12,38 +12,46 @@ import itertools
 import os
 import threading
 import time
+from array import array
 
-from kvscope.adapters.vllm_source import ReplayPosition, VllmState, apply_batch
+from kvscope.adapters.vllm_source import VllmState, apply_batch
 from kvscope.adapters.vllm_trace import batch_from, cache_from, metrics_from, restore_kv, scrape_from
 from kvscope.engine.errors import KvscopeError
 from kvscope.protocol.events import VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
 from kvscope.traces.reader import TraceReader
 from kvscope.traces.replay import ReplayClock
 
-APPLY_LIMIT = 5000  # events applied per wake-up, so a fast replay still lets the screen take the lock
-IDLE_S = 0.05
 
 
 class VllmTraceSource:
-    def __init__(self, path: str | os.PathLike, *, speed: float = 1.0, playing: bool = True,
-                 window_s: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike, *, window_s: float = 30.0) -> None:
         self.path = os.fspath(path)
         self.reader = self.trace = TraceReader(self.path)
         if not self.reader.vllm_recording:
             raise KvscopeError(f"{self.path} is a kvscope engine trace, not a vLLM recording")
         self.window_s = window_s
         self.summary = self.reader.summary()
-        self.first_step = self.summary.first_step or 0
-        self.last_step = self.summary.last_step or 0
+        self._index()
+        self.first_step = self.steps[0] if self.steps else (self.summary.first_step or 0)
+        self.last_step = self.steps[-1] if self.steps else (self.summary.last_step or 0)
         self.lock = threading.Lock()
         self.state = self._fresh()
         self.step = self.first_step
         self.t = 0.0
-        self.clock = ReplayClock(now=time.monotonic(), speed=speed, playing=playing)
+        self._held = None  # the first event past the tick shown, popped while seeking forward
+        self.clock = ReplayClock(now=time.monotonic(), playing=False)  # paused: only stepped
         self._load(self.reader.iter_from(self.first_step), None)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._label()
+
+    def _index(self) -> None:
+        """One pass: each tick's time, the cursor's step index (the player's axis)."""
+        ticks: dict[int, float] = {}
+        for ev in self.reader:
+            if type(ev) in (VllmMetricsEvent, VllmKvEvent):
+                ticks[ev.step] = max(ticks.get(ev.step, ev.t), ev.t)
+        self.steps = sorted(ticks)
+        self.step_t = array("d", (ticks[k] for k in self.steps)).tolist()
+        self.start_t = self.step_t[0] if self.step_t else 0.0
+        self.preempt_steps: list[int] = []  # vLLM's events carry no preemptions
 
     def _fresh(self) -> VllmState:
         cfg = self.reader.hello.config.as_dict()
@@ -92,68 +100,39 @@ class VllmTraceSource:
                 break
             self.apply(ev)
         head = [pending] if pending is not None else []
+        self._held = None
         self.clock.load(itertools.chain(head, it), time.monotonic(), start=self.t)
 
-    # -- the player ----------------------------------------------------------------
-    def start(self) -> "VllmTraceSource":
-        self._thread = threading.Thread(target=self._run, name="kvscope-vllm-replay", daemon=True)
-        self._thread.start()
-        return self
-
+    # -- the cursor ------------------------------------------------------------------
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self.lock:
-                self.pump(time.monotonic())
-                wait = self.clock.next_due_in(time.monotonic())
-            self._stop.wait(IDLE_S if wait is None else min(IDLE_S, max(0.0, wait)))
-
-    def pump(self, now: float) -> int:
-        """Apply what is due (the caller holds the lock); returns how many events."""
-        due = self.clock.due(now, APPLY_LIMIT)
-        for ev in due:
-            self.apply(ev)
-        if due:  # the label shows the last event's time; the clock is done right after its last pop
-            self._label()
-        return len(due)
+        """Nothing runs on its own: kept for the live source's face."""
 
     def play_to_end(self) -> None:
         with self.lock:
-            while not self.clock.done:
-                ev = self.clock.step(time.monotonic())
-                if ev is not None:
-                    self.apply(ev)
-            self._label()
+            self._forward(None)
 
-    def toggle(self) -> None:
-        with self.lock:
-            self.clock.toggle(time.monotonic())
-            self._label()
+    def finish(self) -> None:
+        self.play_to_end()
 
-    def set_speed(self, factor: float) -> None:
-        with self.lock:
-            self.clock.set_speed(self.clock.speed * factor, time.monotonic())
-            self._label()
+    def _forward(self, step: int | None) -> None:
+        """Apply recorded events in order up to tick ``step`` (None: to the end); the caller holds the lock."""
+        now = time.monotonic()
+        while True:
+            ev, self._held = (self._held, None) if self._held is not None else (self.clock.step(now), None)
+            if ev is None:
+                return
+            if step is not None and type(ev) is not VllmSnapshotEvent and ev.step > step:
+                self._held = ev
+                return
+            self.apply(ev)
 
-    def seek(self, step: int) -> None:
-        """Rebuild the view at tick ``step`` from the nearest snapshot, then play on from there."""
+    def seek(self, step: int) -> int:
+        """The view at tick ``step``: forward by applying what follows, back from the nearest snapshot."""
         step = max(self.first_step, min(self.last_step, int(step)))
         with self.lock:
-            self.state = self._fresh()
-            self.t, self.step = 0.0, self.first_step
-            self._load(self.reader.iter_from(step), step)
-            self._label()
-
-    def seek_by(self, fraction: float) -> None:
-        span = max(1, self.last_step - self.first_step)
-        self.seek(self.step + round(span * fraction))
-
-    def _label(self) -> None:
-        c = self.clock
-        self.state.replay = ReplayPosition(os.path.basename(self.path), c.playing, c.done, c.speed, self.t,
-                                           self.summary.t_last or 0.0, self.step, self.last_step)
-        self.state.version += 1
+            if step < self.step:
+                self.state = self._fresh()
+                self.t, self.step = 0.0, self.first_step
+                self._load(self.reader.iter_from(step), step)
+            self._forward(step)
+        return step

@@ -11,7 +11,7 @@ from kvscope.cli.common import UsageError, add_palette, float_type
 
 def add_playback(p: argparse.ArgumentParser) -> None:
     """Alignment and speed of a synced replay (compare, and race when it opens compare)."""
-    from kvscope.tui.sync import ALIGNS
+    from kvscope.tui.player import ALIGNS
 
     p.add_argument("--align", default="time", choices=ALIGNS,
                    help="time: engine time since each run's first arrival; step: by step number (default: time)")

@@ -15,19 +15,26 @@ def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = 
              palette: str = "default") -> None:
     """Watch a live engine. Survives the engine starting later, exiting and restarting."""
     from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import LiveFeed
     from kvscope.tui.sources import LiveSource
 
     source = LiveSource(events_addr, control_addr)
     try:
-        KvscopeApp(source, palette=palette, address=events_addr).run()
+        KvscopeApp([LiveFeed(source, address=events_addr)], palette=palette).run()
     finally:
         source.close()
 
 
 def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,
                     start_step: int | None = None, clock=None, auto_tick: bool = True):
-    """The replay app for a trace file (also used by the screenshots script)."""
+    """The app replaying a trace file (also used by the screenshots script): a ReplayFeed and its player,
+    or, for a recorded vLLM, the vLLM view on the same player."""
+    import os
+    import time
+
     from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import ReplayFeed
+    from kvscope.tui.player import Player
     from kvscope.tui.sources import ReplayController, open_trace
 
     trace = open_trace(path)
@@ -36,11 +43,13 @@ def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, 
 
         return make_vllm_replay_app(path, palette=palette, speed=speed, playing=playing, start_step=start_step,
                                     auto_tick=auto_tick)
-    kw = {"clock": clock} if clock is not None else {}
-    controller = ReplayController(trace, speed=speed, playing=playing, **kw)
+    clock = clock or time.monotonic
+    cursor = ReplayController(trace, playing=False, clock=clock)
+    player = Player([cursor], speed=speed, playing=playing, clock=clock)
     if start_step is not None:
-        controller.seek(start_step)
-    return KvscopeApp(controller, palette=palette, auto_tick=auto_tick)
+        player.seek(start_step)
+    return KvscopeApp([ReplayFeed(cursor, name=os.path.basename(path))], player, palette=palette,
+                      auto_tick=auto_tick)
 
 
 def run_replay(path: str, palette: str = "default", *, speed: float = 1.0, start_step: int | None = None,
@@ -55,15 +64,7 @@ def run_replay(path: str, palette: str = "default", *, speed: float = 1.0, start
         raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
     except ProtocolError as e:
         raise KvscopeError(f"cannot replay {path}: {e}") from None
-    for w in getattr(app.source.trace, "warnings", ()) or ():
-        print(f"kvscope replay: warning: {w}", file=sys.stderr)
-    from kvscope.adapters.vllm_replay import VllmTraceSource
-
-    own_thread = isinstance(app.source, VllmTraceSource)  # a recorded vLLM plays on its own thread
-    if own_thread:
-        app.source.start()
-    try:
-        app.run()
-    finally:
-        if own_thread:
-            app.source.close()
+    for feed in app.feeds:
+        for w in feed.source.trace.warnings or ():
+            print(f"kvscope replay: warning: {w}", file=sys.stderr)
+    app.run()

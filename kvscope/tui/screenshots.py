@@ -53,26 +53,28 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
     from kvscope.tui.launch import make_replay_app
 
     app = make_replay_app(path, playing=False, clock=lambda: 0.0, auto_tick=False)
-    rp = app.replay
+    player = app.player
+    feed = app.feeds[0]
+    cursor = feed.cursor
     async with app.run_test(size=size) as pilot:
         await pilot.pause()
         if what == "replay":
             # Start of the trace, then jump to the first preemption (or a few steps in).
             await pilot.press("right", "right", "right")
-            if rp.preempt_steps:
+            if cursor.preempt_steps:
                 await pilot.press("p")
             await pilot.press("plus", "plus")
         else:
-            rp.seek(step if step is not None else pick_step(rp.trace))
+            player.seek(step if step is not None else pick_step(cursor.trace))
             app.pump()
             await pilot.pause()
             if what == "request-detail":
                 req = pick_request(app.state)
                 if req is not None:
-                    app.selected = req
+                    app.screen.selected = req
                     from kvscope.tui.screens import RequestDetailScreen
 
-                    await app.push_screen(RequestDetailScreen(req))
+                    await app.push_screen(RequestDetailScreen(feed, req))
             else:
                 await pilot.press("down")
         app.pump()
@@ -89,8 +91,8 @@ async def _shoot_compare(paths: list[str], out_path: str, size: tuple[int, int],
     app = make_compare_app(paths, playing=False, clock=lambda: 0.0, auto_tick=False)
     async with app.run_test(size=size) as pilot:
         # Default moment: 40% into the fastest run, while every run is still busy.
-        ends = [t.end for t in app.sync.tracks if t is not None and t.keys]
-        app.sync.seek_time(at if at is not None else 0.4 * min(ends, default=0.0))
+        ends = [t.end for t in app.player.tracks if t is not None and t.keys]
+        app.player.seek_time(at if at is not None else 0.4 * min(ends, default=0.0))
         app.pump()
         app.redraw(force=True)
         await pilot.pause()
@@ -110,11 +112,12 @@ async def _shoot_vllm(path: str, out_path: str, size: tuple[int, int], step: int
     from kvscope.tui.launch import make_replay_app
 
     app = make_replay_app(path, playing=False, auto_tick=False)
-    src = app.source
+    feed = app.feeds[0]
+    src = feed.source
     # Default tick: 70% in, with the cache full and turning over and the window's rates set.
-    src.seek(step if step is not None else src.first_step + 7 * (src.last_step - src.first_step) // 10)
+    app.player.seek(step if step is not None else src.first_step + 7 * (src.last_step - src.first_step) // 10)
     async with app.run_test(size=size) as pilot:
-        app.screen._top_at = float("-inf")  # the prefix list refreshes once a second: draw it now
+        feed.refresh_top()  # the prefix list refreshes once a second: draw it now
         app.pump()
         await pilot.pause()
         svg = app.export_screenshot(title="kvscope vLLM replay")

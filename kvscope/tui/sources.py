@@ -2,7 +2,9 @@
 
 - ``LiveSource``: a ZeroMQ subscriber read on a background thread, plus the control
   channel (requests run on another thread, so the UI never waits on the engine).
-- ``ReplayController``: a trace played against the wall clock, with seek/step/speed.
+- ``ReplayController``: a trace as a cursor for the player (``kvscope.tui.player``): its
+  step index, and seeks that hand out exactly the events live showed; on its own it
+  also plays against a clock (benches and scripts use that).
 
 None of this imports textual, torch or the engine.
 """
@@ -19,8 +21,8 @@ from typing import Any, Callable
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
 from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
 from kvscope.tui.latency_seed import LatencyCheckpoints
+from kvscope.tui.player import SPEEDS
 
-SPEEDS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 
 # The live view's memory is bounded in bytes: decoded events waiting for the UI (counted
 # by encoded size; decoded they take a few times that) and raw frames waiting for the decoder.
@@ -499,6 +501,17 @@ class ReplayController:
             return None
         self.pause()
         return self.seek(self.preempt_steps[i])
+
+    def finish(self) -> None:
+        """Hand out everything after the last step (the engine's goodbye): the player's end."""
+        now = self._now()
+        self.clock.pause(now)
+        while (ev := self.clock.step(now)) is not None:
+            self.pending.append(ev)
+
+    def now(self) -> float:
+        """The clock this controller was made with (its player keeps time on the same one)."""
+        return self._now()
 
     def close(self) -> None:
         pass

@@ -7,18 +7,26 @@ rest.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterable
+
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from kvscope.tui.runs import Run, differing_knobs, workload_notice
-from kvscope.tui.screens.dashboard import REPLAY_KEYS, ReplayDashboard
-from kvscope.tui.widgets import ReplayBar, StateWidget
+from kvscope.tui.runs import differing_knobs, workload_notice
+from kvscope.tui.screens.base import Command, FeedScreen
+from kvscope.tui.screens.dashboard import ReplayDashboard
+from kvscope.tui.screens.keys import PREEMPT_KEY, REPLAY_KEYS, PlayerKeys
+from kvscope.tui.widgets import ReplayBar
 from kvscope.tui.widgets.run_column import RunColumn
 from kvscope.tui.widgets.summary_strip import SummaryStrip
+
+if TYPE_CHECKING:
+    from kvscope.tui.feeds import ReplayFeed
+    from kvscope.tui.palette import Palette
+    from kvscope.tui.player import Player
 
 MIN_COLUMN_WIDTH = 38
 
@@ -26,17 +34,23 @@ def columns_that_fit(width: int, runs: int) -> int:
     return max(1, min(runs, width // MIN_COLUMN_WIDTH))
 
 
-class CompareScreen(Screen):
+class CompareScreen(PlayerKeys, FeedScreen):
+    """One column per run (a ReplayFeed each), all moved by one player; ``d`` judges the focused run."""
+
     BINDINGS = REPLAY_KEYS + [
         Binding("tab", "focus_column(1)", "Next run", show=False),
         Binding("shift+tab", "focus_column(-1)", "Prev run", show=False),
         Binding("right_square_bracket", "page(1)", "Page", show=False),
         Binding("left_square_bracket", "page(-1)", "Page", show=False),
+        Binding(PREEMPT_KEY.key, PREEMPT_KEY.action, PREEMPT_KEY.description, show=False),
+        Binding("d", "diagnose", "Diagnose", show=False),
     ]
 
-    def __init__(self, runs: list[Run], notes: list[str] | None = None) -> None:
+    def __init__(self, feeds: "list[ReplayFeed]", player: "Player", notes: list[str] | None = None) -> None:
         super().__init__()
-        self.runs = runs
+        self.feeds = feeds
+        self.player = player
+        self.runs = [f.run for f in feeds]
         self.notes = [n for n in (notes or []) if n]
         self.focus_index = 0
         self.page_start = 0
@@ -58,7 +72,7 @@ class CompareScreen(Screen):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        self.query_one(ReplayBar).replay = getattr(self.app, "sync", None)
+        self.query_one(ReplayBar).replay = self.player
         self._layout_columns()
         self.columns()[0].focus()
 
@@ -95,18 +109,34 @@ class CompareScreen(Screen):
     @on(RunColumn.Focused)
     def _column_focused(self, message: RunColumn.Focused) -> None:
         self.focus_index = message.index
-        sync = getattr(self.app, "sync", None)
-        if sync is not None:
-            sync.focus = message.index
+        self.player.focus = message.index
 
-    def show_states(self, states: list, pal) -> None:
+    @on(RunColumn.Opened)
+    def _open_run(self, message: RunColumn.Opened) -> None:
+        run = self.runs[message.index]
+        if not run.ok:
+            self.kvscope.notify(f"{run.label}: {run.error}", severity="warning")
+            return
+        self.player.focus = message.index
+        self.kvscope.push_screen(RunDashboard(self.feeds[message.index], self.player, message.index))
+
+    def action_diagnose(self) -> None:
+        self.kvscope.open_diagnosis(self.feeds[self.focus_index])
+
+    def draw_key(self) -> tuple:
+        return (self.focus_index, self.page_start, self.size)
+
+    def draw(self, pal: "Palette") -> None:
         for col in self.columns():
             if col.display:
-                col.show(states[col.index], pal)
+                col.show(self.feeds[col.index].state, pal)
         for w in self.query(SummaryStrip):
             w.show(None, pal, None)
         for w in self.query(ReplayBar):
             w.show(None, pal, None)
+
+    def commands(self) -> Iterable[Command]:
+        yield from self.player_commands()
 
 
 class RunDashboard(ReplayDashboard):
@@ -114,14 +144,6 @@ class RunDashboard(ReplayDashboard):
 
     BINDINGS = [Binding("escape,backspace", "app.pop_screen", "Back")]
 
-    def __init__(self, index: int) -> None:
-        super().__init__()
+    def __init__(self, feed: "ReplayFeed", player: "Player", index: int) -> None:
+        super().__init__(feed, player)
         self.index = index
-
-    def on_mount(self) -> None:
-        super().on_mount()
-        self.query_one(ReplayBar).replay = getattr(self.app, "sync", None)
-
-    def show_states(self, states: list, pal, selected=None) -> None:
-        for w in self.query(StateWidget):
-            w.show(states[self.index], pal, selected)

@@ -1,24 +1,38 @@
-"""The dashboard: header, queues, block map, batch, latency; live and replay variants."""
+"""The dashboard of one kvscope feed: header, queues, block map, batch, latency; live and replay variants."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import Screen
 from textual.widgets import Footer
 
+from kvscope.tui.screens.base import Command, FeedScreen
+from kvscope.tui.screens.keys import PREEMPT_KEY, REPLAY_KEYS, PlayerKeys
 from kvscope.tui.widgets import BatchView, BlockMap, HeaderBar, LatencyPanel, QueueTable, ReplayBar, StateWidget
 
+if TYPE_CHECKING:
+    from kvscope.tui.feeds import EventFeed
+    from kvscope.tui.palette import Palette
+    from kvscope.tui.player import Player
 
-class DashboardScreen(Screen):
-    """Same widgets in every mode; subclasses add the mode's keys."""
+
+class DashboardScreen(FeedScreen):
+    """Same widgets in every mode; subclasses add the mode's keys. Enter on a request: its detail."""
 
     BINDINGS = [
         Binding("tab", "app.focus_next", "Next queue", show=False),
         Binding("shift+tab", "app.focus_previous", "Prev queue", show=False),
-        Binding("d", "app.diagnose", "Diagnose", show=False),
+        Binding("d", "diagnose", "Diagnose", show=False),
     ]
+
+    def __init__(self, feed: "EventFeed", player: "Player | None" = None) -> None:
+        super().__init__()
+        self.feed = feed
+        self.player = player
+        self._armed = False  # nothing is selected until the user moves a cursor
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -39,43 +53,82 @@ class DashboardScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#running", QueueTable).focus()
-        app = self.app
-        if hasattr(app, "state"):
-            self.show_state(app.state, app.pal, app.selected)
+        self.draw(self.kvscope.pal)
+        self.call_after_refresh(self._arm)
 
-    def show_state(self, state, pal, selected) -> None:
+    def _arm(self) -> None:
+        self._armed = True
+
+    def draw(self, pal: "Palette") -> None:
+        feed = self.feed
+        for h in self.query(HeaderBar):
+            h.address, h.paused = feed.address, feed.paused
         for w in self.query(StateWidget):
-            w.show(state, pal, selected)
+            w.show(feed.state, pal, self.selected)
+
+    def on_queue_table_highlighted(self, message: QueueTable.Highlighted) -> None:
+        if self._armed and message.req is not None and message.req != self.selected:
+            self.selected = message.req
+            self.kvscope.redraw()
+
+    def on_queue_table_opened(self, message: QueueTable.Opened) -> None:
+        from kvscope.tui.screens.detail import RequestDetailScreen
+
+        self.selected = message.req
+        self.kvscope.push_screen(RequestDetailScreen(self.feed, message.req))
+
+    def action_diagnose(self) -> None:
+        self.kvscope.open_diagnosis(self.feed)
+
+    def commands(self) -> Iterable[Command]:
+        yield ("Diagnose", "The bottleneck of the recent steps, and the knobs to turn", self.action_diagnose)
 
 
 class LiveDashboard(DashboardScreen):
+    """A live engine: its controls on b, l, space and s."""
+
     BINDINGS = [
-        Binding("b", "app.control('burst')", "Burst"),
-        Binding("l", "app.control('long')", "Long prompt"),
-        Binding("space", "app.toggle_engine", "Pause"),
-        Binding("s", "app.control('snapshot')", "Resync", show=False),
+        Binding("b", "control('burst')", "Burst"),
+        Binding("l", "control('long')", "Long prompt"),
+        Binding("space", "toggle_engine", "Pause"),
+        Binding("s", "control('snapshot')", "Resync", show=False),
     ]
 
+    def action_control(self, cmd: str) -> None:
+        controls = self.feed.controls
+        if controls is None:
+            self.kvscope.notify("control needs a live engine with a control address", severity="warning", timeout=2)
+            return
+        controls.request(cmd)
 
-# The replay keys, shared by the replay dashboard and the compare screen.
-REPLAY_KEYS = [
-    Binding("space", "app.replay('toggle')", "Play"),
-    Binding("right", "app.replay('step_forward')", "Step"),
-    Binding("left", "app.replay('step_back')", "Back", show=False),
-    Binding("g", "app.seek_prompt('step')", "Seek"),
-    Binding("t", "app.seek_prompt('time')", "Time", show=False),
-    Binding("plus,equals_sign", "app.replay('faster')", "Speed±"),
-    Binding("minus", "app.replay('slower')", "Slow", show=False),
-]
+    def action_toggle_engine(self) -> None:
+        """Pause, or resume a paused engine: the engine's own replies say which it is."""
+        controls = self.feed.controls
+        self.action_control("resume" if controls is not None and controls.paused else "pause")
+
+    def commands(self) -> Iterable[Command]:
+        yield from super().commands()
+        yield ("Burst", "Inject a burst of requests", lambda: self.action_control("burst"))
+        yield ("Long prompt", "Inject one long prompt", lambda: self.action_control("long"))
+        yield ("Pause / resume engine", "Stop or restart scheduling", self.action_toggle_engine)
+        yield ("Snapshot now", "Resync the picture from a snapshot", lambda: self.action_control("snapshot"))
 
 
-class ReplayDashboard(DashboardScreen):
+class ReplayDashboard(PlayerKeys, DashboardScreen):
     # "p" sits before the speed keys, where the footer has always shown it
-    BINDINGS = REPLAY_KEYS[:5] + [Binding("p", "app.replay('next_preemption')", "Preempt")] + REPLAY_KEYS[5:]
+    BINDINGS = REPLAY_KEYS[:5] + [PREEMPT_KEY] + REPLAY_KEYS[5:]
+
+    def __init__(self, feed: "EventFeed", player: "Player") -> None:
+        super().__init__(feed, player)
+        self.player = player
 
     def compose_extra(self) -> ComposeResult:
         yield ReplayBar(id="replaybar")
 
     def on_mount(self) -> None:
+        self.query_one(ReplayBar).replay = self.player
         super().on_mount()
-        self.query_one(ReplayBar).replay = getattr(self.app, "replay", None)
+
+    def commands(self) -> Iterable[Command]:
+        yield from super().commands()
+        yield from self.player_commands()

@@ -1,25 +1,33 @@
-"""Request detail: lifecycle timeline and block table of one request."""
+"""Request detail: lifecycle timeline and block table of one request of one feed."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import Screen
 from textual.widgets import Footer
 
+from kvscope.tui.screens.base import FeedScreen
 from kvscope.tui.widgets import BlockMap, HeaderBar, StateWidget
 from kvscope.tui.widgets.request import BlockTablePanel, LifecycleLog, RequestSummary
 
+if TYPE_CHECKING:
+    from kvscope.tui.feeds import EventFeed
+    from kvscope.tui.palette import Palette
 
-class RequestDetailScreen(Screen):
+
+class RequestDetailScreen(FeedScreen):
     BINDINGS = [
         Binding("escape,backspace", "app.pop_screen", "Back"),
     ]
 
-    def __init__(self, req: int) -> None:
+    def __init__(self, feed: "EventFeed", req: int) -> None:
         super().__init__()
+        self.feed = feed
         self.req = req
+        self.selected = req
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -34,10 +42,10 @@ class RequestDetailScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one("#lifecycle-scroll").focus()
-        app = self.app
-        if hasattr(app, "state"):
-            self.show_state(app.state, app.pal, app.selected)
+        self.draw(self.kvscope.pal)
 
-    def show_state(self, state, pal, selected) -> None:
+    def draw(self, pal: "Palette") -> None:
+        for h in self.query(HeaderBar):
+            h.address, h.paused = self.feed.address, self.feed.paused
         for w in self.query(StateWidget):
-            w.show(state, pal, self.req)
+            w.show(self.feed.state, pal, self.req)

@@ -1,24 +1,33 @@
 """The diagnosis panel (key `d`): the bottleneck of the last steps seen, refreshed as events arrive.
 
-It judges the app's ``diagnosis_log`` (a sliding-window ``StepLog`` the app feeds with
-every event it reduces), so it reads the event stream only and never runs the sim.
+It asks its feed to ``diagnose()``: a kvscope feed judges its sliding window of steps
+(the ``StepLog`` its fold loop fills), so the panel reads the event stream only and
+never runs the sim. A feed without a diagnosis (a vLLM, for now) raises
+``DiagnosisUnavailable`` and the App shows that one line instead of the panel.
 """
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from kvscope.analysis.diagnose import Diagnosis, NoSteps, judge
+from kvscope.tui.screens.base import FeedModal
+
+if TYPE_CHECKING:
+    from kvscope.analysis.diagnose import Diagnosis
+    from kvscope.tui.feeds import Feed
+    from kvscope.tui.palette import Palette
 
 REFRESH_S = 0.5  # judging a 2,000-step window takes milliseconds; twice a second is plenty
 
 
-def render(d: Diagnosis) -> Text:
+def render(d: "Diagnosis") -> Text:
     t = Text()
     t.append(f"bottleneck: {d.bottleneck}", style="bold")
     t.append(f"   score {d.score:g}   over the last {d.steps:,} steps\n\n")
@@ -43,28 +52,32 @@ def render(d: Diagnosis) -> Text:
     return t
 
 
-class DiagnosisScreen(ModalScreen):
+class DiagnosisScreen(FeedModal):
     BINDINGS = [Binding("escape,d,q", "app.pop_screen", "Close")]
+
+    def __init__(self, feed: "Feed") -> None:
+        super().__init__()
+        self.feed = feed
+        self._judged_at = float("-inf")
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="diagnosis-box"):
             yield Static("", id="diagnosis-body")
 
     def on_mount(self) -> None:
-        self.query_one("#diagnosis-box").border_title = "DIAGNOSIS (d)"
+        title = f"DIAGNOSIS (d) · {self.feed.name}" if self.feed.name else "DIAGNOSIS (d)"
+        self.query_one("#diagnosis-box").border_title = title
         self.refresh_diagnosis()
-        self.set_interval(REFRESH_S, self.refresh_diagnosis, name="kvscope-diagnosis")
 
-    def diagnosis(self) -> Diagnosis | None:
-        log = getattr(self.app, "diagnosis_log", None)
-        if log is None:
-            return None
-        try:
-            return judge(log, source="live")
-        except NoSteps:
-            return None
+    def draw(self, pal: "Palette") -> None:
+        if time.monotonic() - self._judged_at >= REFRESH_S:
+            self.refresh_diagnosis()
+
+    def diagnosis(self) -> "Diagnosis | None":
+        return self.feed.diagnose()
 
     def refresh_diagnosis(self) -> None:
+        self._judged_at = time.monotonic()
         d = self.diagnosis()
         body = self.query_one("#diagnosis-body", Static)
         body.update(render(d) if d is not None else Text("no steps yet: waiting for the engine to run"))

@@ -29,9 +29,10 @@ HELP = """\
   space  play/pause       → / ←  one step forward / back
   g  seek to a step (type 12.5s for a time)    t  seek to a time
   p  next preemption      + / -  speed x0.1 … x100
+  shift+← / →  a tenth of the run    shift+home / end  start / end
 
 [b]Compare[/b]  (kvscope compare A B [C D], kvscope race)
-  one column per run, all on one clock: the replay keys above move every run
+  one column per run, one clock: the replay keys move every run; d diagnoses one
   tab / shift+tab   next / previous run     [ / ]  page when not all runs fit
   enter             the focused run's full dashboard at the same moment
   ★                 the best run for that figure in the summary strip
@@ -50,8 +51,7 @@ HELP = """\
   util = used / total blocks; tail waste = empty slots in the last, partly
   filled blocks; reserved-unused = slots reserved ahead (naive, static).
 
-[b]Batch[/b]  █ prefill, ▓ decode, ░ padding tokens against the token budget,
-  then one column per recent step.
+[b]Batch[/b]  █ prefill, ▓ decode, ░ padding against the budget; a column a step.
 [b]Latency[/b]  log-scale histograms of TTFT and ITL with ▲ p50 ◆ p90 ● p99;
   tok/s sparkline over recent steps (engine clock; SIM = virtual clock).
 

@@ -1,24 +1,32 @@
 """The overview: one row per engine (kvscope or vLLM), sortable and filterable; Enter opens its dashboard.
 
 Keys: ``s`` sort by the next column, ``r`` reverse, ``/`` filter by name, ``escape``
-clear the filter, ``enter`` the engine's full screen (its live dashboard, or the vLLM
-view), ``escape`` there to come back.
+clear the filter, ``d`` the diagnosis of the engine under the cursor, ``enter`` the
+engine's full screen (its live dashboard, or the vLLM view), ``escape`` there to come
+back. The table is rebuilt at most TABLE_HZ times a second, however many engines move.
 """
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from kvscope.tui import fmt
-from kvscope.tui.engines import EngineRow
+from kvscope.tui.feeds import EngineRow, EventFeed, Feed, VllmFeed
+from kvscope.tui.screens.base import FeedScreen
 from kvscope.tui.screens.dashboard import LiveDashboard
-from kvscope.tui.widgets import StateWidget
 from kvscope.tui.widgets.latency import sparkline
+
+if TYPE_CHECKING:
+    from kvscope.tui.palette import Palette
+
+TABLE_HZ = 4.0
 
 # (title, key of EngineRow used for sorting)
 COLUMNS = (("engine", "name"), ("setup", "setup"), ("run", "running"), ("wait", "waiting"), ("KV", "kv_used"),
@@ -40,16 +48,22 @@ def row_cells(r: EngineRow, pal) -> list:
             _cell(r.preemptions, str), Text(sparkline(r.spark[-12:]), style=pal.bar)]
 
 
-class OverviewScreen(Screen):
+class OverviewScreen(FeedScreen):
     BINDINGS = [
         Binding("s", "sort", "Sort"),
         Binding("r", "reverse", "Reverse"),
         Binding("slash", "filter", "Filter"),
         Binding("escape", "clear_filter", "Clear", show=False),
+        Binding("d", "diagnose", "Diagnose", show=False),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, feeds: "list[Feed]") -> None:
         super().__init__()
+        names = [f.name for f in feeds]
+        if len(set(names)) != len(names):
+            raise ValueError("engine names must be unique")
+        self.feeds = {f.name: f for f in feeds}
+        self._table_at = float("-inf")
         self.sort_col = 0
         self.descending = False
         self.filter_text = ""
@@ -74,6 +88,16 @@ class OverviewScreen(Screen):
         keep.sort(key=lambda r: blank if getattr(r, key) is None else getattr(r, key), reverse=self.descending)
         keep.sort(key=lambda r: getattr(r, key) is None)  # stable: engines without the figure go last
         return keep
+
+    def draw(self, pal: "Palette", force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and self.kvscope.auto_tick and now - self._table_at < 1.0 / TABLE_HZ:
+            return  # the next tick draws: a busy fleet costs TABLE_HZ table rebuilds a second
+        self._table_at = now
+        self.show_rows([f.row() for f in self.feeds.values()], pal)
+
+    def _redraw(self) -> None:
+        self.draw(self.kvscope.pal, force=True)
 
     def show_rows(self, rows: list[EngineRow], pal) -> None:
         tables = self.query(DataTable)
@@ -105,11 +129,11 @@ class OverviewScreen(Screen):
     def action_sort(self) -> None:
         i = SORTABLE.index(self.sort_col)
         self.sort_col = SORTABLE[(i + 1) % len(SORTABLE)]
-        self.app.refresh_overview()
+        self._redraw()
 
     def action_reverse(self) -> None:
         self.descending = not self.descending
-        self.app.refresh_overview()
+        self._redraw()
 
     def action_filter(self) -> None:
         box = self.query_one(Input)
@@ -122,18 +146,33 @@ class OverviewScreen(Screen):
         box = self.query_one(Input)
         box.display = False
         self.query_one(DataTable).focus()
-        self.app.refresh_overview()
+        self._redraw()
 
     @on(Input.Submitted, "#overview-filter")
     def _apply_filter(self, event: Input.Submitted) -> None:
         self.filter_text = event.value.strip()
         event.input.display = False
         self.query_one(DataTable).focus()
-        self.app.refresh_overview()
+        self._redraw()
+
+    def selected_feed(self) -> "Feed | None":
+        name = self.selected_name()
+        return self.feeds.get(name) if name else None
 
     @on(DataTable.RowSelected)
     def _open(self, event: DataTable.RowSelected) -> None:
-        self.app.open_engine(event.row_key.value)
+        feed = self.feeds.get(event.row_key.value)
+        if isinstance(feed, VllmFeed):
+            from kvscope.tui.screens.vllm import VllmScreen
+
+            self.kvscope.push_screen(VllmScreen(feed))
+        elif isinstance(feed, EventFeed):
+            self.kvscope.push_screen(EngineDashboard(feed))
+
+    def action_diagnose(self) -> None:
+        feed = self.selected_feed()
+        if feed is not None:
+            self.kvscope.open_diagnosis(feed)
 
 
 class EngineDashboard(LiveDashboard):
@@ -141,10 +180,6 @@ class EngineDashboard(LiveDashboard):
 
     BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.engine_name = name
-
-    def show_feed(self, feed, pal, selected) -> None:
-        for w in self.query(StateWidget):
-            w.show(feed.state, pal, selected)
+    @property
+    def engine_name(self) -> str:
+        return self.feed.name

@@ -10,7 +10,12 @@ from kvscope.tui.widgets.base import StateWidget, join_lines
 
 
 class HeaderBar(StateWidget):
-    """Two lines: what is running (model, device, mode, policy, blocks), then how it is doing."""
+    """Two lines: what is running (model, device, mode, policy, blocks), then how it is doing.
+
+    ``address`` and ``paused`` come from the screen's feed (the engine's own pause reply)."""
+
+    address = ""
+    paused = False
 
     def render(self) -> Text:
         st = self.state
@@ -52,11 +57,11 @@ class HeaderBar(StateWidget):
             bot.append(" ▶ replay ", style=f"bold {pal.bar}")
         elif conn == CONN_CONNECTING:
             bot.append(" ○ disconnected ", style=f"bold {pal.bad}")
-            bot.append(f"waiting for engine {getattr(self.app, 'address', '')} ", style=pal.dim)
+            bot.append(f"waiting for engine {self.address} ", style=pal.dim)
         else:
             bot.append(" ○ disconnected ", style=f"bold {pal.bad}")
             bot.append("last picture kept ", style=pal.dim)
-        if getattr(self.app, "engine_paused", False):
+        if self.paused:
             bot.append("⏸ paused ", style=f"bold {pal.warn}")
         if st.ended and conn != CONN_LIVE:
             bot.append(f"(engine said bye: {st.ended}) ", style=pal.dim)

@@ -1,0 +1,84 @@
+"""A live kvscope engine: its events over ZeroMQ (sources.LiveSource) and its control channel.
+
+Health by construction: every pump counts the frames this view dropped or could not
+decode, takes the control replies (so the paused flag follows the engine), and asks for
+a snapshot while the picture is stale. The dashboard, the overview's rows and an engine
+opened from the overview all get this, because they all watch a LiveFeed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvscope.tui.feeds.base import EngineControls, EventFeed, Notice
+from kvscope.tui.state import CONN_LIVE, note_local_drop, note_malformed
+
+
+class LiveSourceLike(Protocol):
+    """sources.LiveSource's face (tests give fakes of it)."""
+
+    connection: str
+    error: str | None
+
+    def poll(self) -> list: ...
+
+    def take_local_dropped(self) -> int: ...
+
+    def take_malformed(self) -> tuple[int, str | None]: ...
+
+    def take_replies(self) -> list[tuple[str, dict, bool]]: ...
+
+    def request(self, cmd: str, quiet: bool = False, **args) -> None: ...
+
+    def request_snapshot(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class LiveFeed(EventFeed):
+    def __init__(self, source: LiveSourceLike, *, name: str = "", address: str = "", **kw) -> None:
+        super().__init__(source, name=name or address, address=address, **kw)
+        self._paused = False
+        self._error_shown: str | None = None
+
+    @property
+    def controls(self) -> EngineControls:
+        return self
+
+    @property
+    def paused(self) -> bool:
+        """The engine's own answer to the last pause/resume (its control replies carry it)."""
+        return self._paused
+
+    def request(self, cmd: str) -> None:
+        self.source.request(cmd)
+
+    def request_snapshot(self) -> bool:
+        return self.source.request_snapshot()
+
+    def toggle_pause(self) -> None:
+        self.request("resume" if self._paused else "pause")
+
+    def _after_fold(self, st) -> None:
+        src = self.source
+        note_local_drop(st, src.take_local_dropped())
+        n, last = src.take_malformed()
+        note_malformed(st, n, last)
+        for cmd, reply, quiet in src.take_replies():
+            self._on_reply(cmd, reply, quiet)
+        if src.error and src.error != self._error_shown:
+            self._error_shown = src.error
+            self._notices.append(Notice(src.error, "error", 15))
+        if st.stale and self._connection() == CONN_LIVE:
+            src.request_snapshot()
+
+    def _on_reply(self, cmd: str, reply: dict, quiet: bool) -> None:
+        if "paused" in reply:
+            self._paused = bool(reply["paused"])
+        if quiet:
+            return
+        if reply.get("ok"):
+            extra = ", ".join(f"{k} {v}" for k, v in reply.items() if k not in ("ok", "config"))
+            self._notices.append(Notice(f"{cmd}: ok{' (' + extra + ')' if extra else ''}", timeout=2))
+        else:
+            self._notices.append(Notice(f"{cmd}: {reply.get('error', 'failed')}", "warning", 3))
