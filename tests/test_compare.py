@@ -111,11 +111,11 @@ async def test_columns_fit_and_move_while_playing(raced, size, runs, visible):
         assert all(st.step > s0 for st, s0 in zip(app.states, steps0)), "every column moves while playing"
         for i in _visible(app):
             header = app.screen.query_one(f"#run-header-{i}", RunHeader).render().plain
-            assert app.runs[i].config["mode"] in header and "RUN" in header and "WAIT" in header
+            assert [f.run for f in app.feeds][i].config["mode"] in header and "RUN" in header and "WAIT" in header
             numbers = app.screen.query_one(f"#run-numbers-{i}", RunNumbers).render().plain
             assert "TTFT" in numbers and "ITL" in numbers and "tok/s" in numbers and "done" in numbers
         strip = app.screen.query_one("#compare-summary").render().plain
-        assert all(f"{r.label} {r.name}" in strip for r in app.runs)
+        assert all(f"{r.label} {r.name}" in strip for r in [f.run for f in app.feeds])
         assert "★" in strip
 
 
@@ -140,10 +140,10 @@ async def test_seek_keeps_every_column_at_the_same_moment(raced):
     app = _app(_paths(raced), clock, playing=False)
     async with app.run_test(size=(160, 45)) as pilot:
         for target in (3.0, 1.0, 6.5):
-            app.sync.seek_time(target)
+            app.player.seek_time(target)
             app.pump()
             await pilot.pause()
-            for run, st, track in zip(app.runs, app.states, app.sync.tracks):
+            for run, st, track in zip([f.run for f in app.feeds], app.states, app.player.tracks):
                 # Each column shows the last step that ended by the shared moment, no later one.
                 shown = track.step_at(target)
                 if shown is None:
@@ -161,7 +161,7 @@ async def test_step_alignment_shows_the_same_step_number(raced):
     clock = FakeClock()
     app = _app(_paths(raced)[2:], clock, playing=False, align="step")
     async with app.run_test(size=(160, 45)) as pilot:
-        app.sync.seek(200)
+        app.player.seek(200)
         app.pump()
         await pilot.pause()
         assert [st.step for st in app.states] == [200, 200]
@@ -175,7 +175,7 @@ async def test_enter_opens_the_focused_runs_dashboard_at_the_same_moment(raced):
     clock = FakeClock()
     app = _app(_paths(raced), clock, playing=False)
     async with app.run_test(size=(120, 36)) as pilot:
-        app.sync.seek_time(4.0)
+        app.player.seek_time(4.0)
         app.pump()
         await pilot.press("tab")
         await pilot.press("enter")
@@ -247,3 +247,22 @@ def test_race_no_tui_json_is_bench_shaped(tmp_path, capsys):
     assert all(os.path.exists(p) for p in result["traces"])
     assert "chunked" in capsys.readouterr().out
     assert main(argv[:-4] + ["--json", str(tmp_path / "missing" / "x.json")]) == 2
+
+
+@pytest.mark.anyio
+async def test_d_opens_the_focused_runs_diagnosis(raced):
+    from kvscope.tui.screens import DiagnosisScreen
+
+    clock = FakeClock()
+    app = _app(_paths(raced)[:2], clock, playing=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        app.player.seek_time(4.0)
+        app.pump()
+        await pilot.press("tab", "d")
+        await pilot.pause()
+        assert isinstance(app.screen, DiagnosisScreen) and app.screen.feed is app.feeds[1]
+        assert "bottleneck:" in str(app.screen.query_one("#diagnosis-body").render())
+        await pilot.press("escape")
+        await pilot.press("enter", "d")  # and from that run's own dashboard
+        await pilot.pause()
+        assert isinstance(app.screen, DiagnosisScreen) and app.screen.feed is app.feeds[1]

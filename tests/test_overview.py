@@ -13,10 +13,16 @@ def streams():
 
 
 def _feeds(streams, n):
-    from kvscope.tui.engines import KvscopeFeed
+    from kvscope.tui.feeds import LiveFeed
 
-    return [KvscopeFeed(f"engine-{i:02d}", ChunkedSource(streams[i % len(streams)], per_poll=20 + i))
+    return [LiveFeed(ChunkedSource(streams[i % len(streams)], per_poll=20 + i), name=f"engine-{i:02d}")
             for i in range(n)]
+
+
+def _overview(feeds):
+    from kvscope.tui.app import KvscopeApp
+
+    return KvscopeApp(feeds, first="overview", auto_tick=False)
 
 
 def _names(app):
@@ -29,18 +35,16 @@ def _names(app):
 @pytest.mark.parametrize("n", [2, 4, 16])
 @pytest.mark.anyio
 async def test_one_row_per_engine_at_80x24(streams, n):
-    from kvscope.tui.overview_app import OverviewApp
-
-    app = OverviewApp(_feeds(streams, n), auto_tick=False)
+    app = _overview(_feeds(streams, n))
     async with app.run_test(size=(80, 24)) as pilot:
         for _ in range(3):
             app.pump()
             await pilot.pause()
         assert sorted(_names(app)) == [f"engine-{i:02d}" for i in range(n)]
-        rows = [f.row() for f in app.feeds.values()]
+        rows = [f.row() for f in app.feeds]
         assert all(r.setup in ("chunked · fcfs", "continuous · fcfs") for r in rows)
         assert any(r.running for r in rows) and all(r.kv_used is not None for r in rows)
-        for feed, r in zip(app.feeds.values(), rows):
+        for feed, r in zip(app.feeds, rows):
             assert (r.running, r.waiting) == (len(feed.state.running), len(feed.state.waiting))
         title = str(app.screen.query_one("#overview-title").render())
         assert f"{n}/{n} engines" in title
@@ -48,12 +52,11 @@ async def test_one_row_per_engine_at_80x24(streams, n):
 
 @pytest.mark.anyio
 async def test_sort_filter_and_open(streams):
-    from kvscope.tui.overview_app import OverviewApp
     from kvscope.tui.screens.overview import EngineDashboard
     from kvscope.tui.widgets import BlockMap
 
     feeds = _feeds(streams, 16)
-    app = OverviewApp(feeds, auto_tick=False)
+    app = _overview(feeds)
     async with app.run_test(size=(80, 24)) as pilot:
         for _ in range(4):
             app.pump()
@@ -62,7 +65,7 @@ async def test_sort_filter_and_open(streams):
         await pilot.press("r")
         assert _names(app) == sorted(_names(app), reverse=True)
         await pilot.press("s", "s")  # by running, still largest first
-        running = [app.feeds[name].row().running for name in _names(app)]
+        running = [app.feed(name).row().running for name in _names(app)]
         assert running == sorted(running, reverse=True)
         await pilot.press("slash")
         await pilot.press(*"engine-1", "enter")
@@ -75,9 +78,9 @@ async def test_sort_filter_and_open(streams):
         assert isinstance(app.screen, EngineDashboard) and app.screen.engine_name == target
         app.pump()
         await pilot.pause()
-        assert app.screen.query_one(BlockMap).state is app.feeds[target].state
+        assert app.screen.query_one(BlockMap).state is app.feed(target).state
         await pilot.press("b")
-        assert app.feeds[target].source.requests == ["burst"]
+        assert app.feed(target).source.requests == ["burst"]
         await pilot.press("escape")
         assert not isinstance(app.screen, EngineDashboard)
 
@@ -85,9 +88,8 @@ async def test_sort_filter_and_open(streams):
 @pytest.mark.anyio
 async def test_a_vllm_row_beside_kvscope_rows(streams):
     from kvscope.adapters.vllm_source import VllmSource
-    from kvscope.tui.engines import VllmFeed
-    from kvscope.tui.overview_app import OverviewApp
-    from kvscope.tui.vllm_app import VllmScreen
+    from kvscope.tui.feeds import VllmFeed
+    from kvscope.tui.screens.vllm import VllmScreen
     from tests.fakes.vllm import FakeMetricsServer
 
     server = FakeMetricsServer()
@@ -99,13 +101,13 @@ async def test_a_vllm_row_beside_kvscope_rows(streams):
 
     with httpx.Client() as client:
         source.scrape_once(client)
-    feeds = _feeds(streams, 2) + [VllmFeed(server.url, source)]
-    app = OverviewApp(feeds, auto_tick=False)
+    feeds = _feeds(streams, 2) + [VllmFeed(source, name=server.url)]
+    app = _overview(feeds)
     try:
         async with app.run_test(size=(80, 24)) as pilot:
             app.pump()
             await pilot.pause()
-            row = app.feeds[server.url].row()
+            row = app.feed(server.url).row()
             assert (row.running, row.waiting, row.kv_used, row.connection) == (9, 4, 0.25, "live")
             app.screen.query_one("#overview-table").move_cursor(row=_names(app).index(server.url))
             await pilot.press("enter")

@@ -203,7 +203,8 @@ def test_cache_view_is_bounded(monkeypatch):
 # ---- the screen -----------------------------------------------------------------------------
 @pytest.mark.anyio
 async def test_vllm_screen_shows_queues_kv_and_cached_blocks(metrics_server):
-    from kvscope.tui.vllm_app import VllmApp
+    from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import VllmFeed
 
     metrics_server.running.set(12)
     metrics_server.waiting.set(5)
@@ -213,7 +214,7 @@ async def test_vllm_screen_shows_queues_kv_and_cached_blocks(metrics_server):
     source = VllmSource(metrics_server.url, pub.addr, pub.replay_addr, interval=0.1).start()
     try:
         assert wait_for(lambda: source.state.metrics.last is not None and source.state.cache.cached_blocks == 4)
-        app = VllmApp(source, auto_tick=False)
+        app = KvscopeApp([VllmFeed(source)], first="vllm", auto_tick=False)
         async with app.run_test(size=(100, 30)) as pilot:
             app.pump()
             await pilot.pause()

@@ -148,11 +148,11 @@ def test_seek_rebuilds_the_view_from_the_chunk_snapshot(tmp_path, monkeypatch):
     assert ticks == list(range(1, len(ticks) + 1))
     # Linear play to tick k vs. seeking to k from another position: the same view.
     for k in (ticks[len(ticks) // 3], ticks[len(ticks) // 2] + 1, ticks[-1]):
-        linear = VllmTraceSource(path, playing=False)
+        linear = VllmTraceSource(path)
         with linear.lock:
             while linear.step < k:
                 linear.apply(linear.clock.step(time.monotonic()))
-        jumped = VllmTraceSource(path, playing=False)
+        jumped = VllmTraceSource(path)
         jumped.seek(ticks[-1])
         jumped.seek(k)
         assert jumped.step == k
@@ -174,12 +174,13 @@ def test_a_truncated_recording_replays_up_to_the_cut(recorded, tmp_path):
 
 @pytest.mark.anyio
 async def test_replay_app_shows_the_recorded_counts(recorded):
+    from kvscope.tui.feeds import VllmFeed
     from kvscope.tui.launch import make_replay_app
-    from kvscope.tui.vllm_app import VllmApp, VllmReplayScreen
+    from kvscope.tui.screens.vllm import VllmReplayScreen
 
     path, rec = recorded
     app = make_replay_app(str(path), auto_tick=False, playing=False)
-    assert isinstance(app, VllmApp)
+    assert isinstance(app.feeds[0], VllmFeed) and app.player is not None
     async with app.run_test(size=(100, 30)) as pilot:
         assert isinstance(app.screen, VllmReplayScreen)
         await pilot.press("end")
@@ -195,7 +196,7 @@ async def test_replay_app_shows_the_recorded_counts(recorded):
         cache = app.screen.query_one("#vllm-cache").render().plain
         assert "cached blocks 0" in cache
         await pilot.press("space")
-        assert app.source.clock.playing
+        assert app.player.playing
 
 
 # ---- the pieces ----------------------------------------------------------------------------

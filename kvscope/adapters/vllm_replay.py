@@ -24,7 +24,10 @@ from kvscope.traces.replay import ReplayClock
 
 
 class VllmTraceSource:
-    def __init__(self, path: str | os.PathLike, *, window_s: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike, *, window_s: float = 30.0, speed: float = 1.0,
+                 playing: bool = False) -> None:
+        """``speed`` and ``playing`` are accepted from callers of the old self-playing source and
+        ignored: a cursor never keeps time, the player (kvscope.tui.player) does."""
         self.path = os.fspath(path)
         self.reader = self.trace = TraceReader(self.path)
         if not self.reader.vllm_recording:

@@ -78,6 +78,12 @@ class KvscopeApp(App):
         return [f.state for f in self.feeds]
 
     @property
+    def selected(self) -> int | None:
+        """The request under the cursor on the screen shown (each screen keeps its own)."""
+        screen = self.screen
+        return screen.selected if isinstance(screen, FeedView) else None
+
+    @property
     def engine_paused(self) -> bool:
         """Whether the engine on screen said it is paused."""
         screen = self.screen

@@ -215,6 +215,7 @@ class ChunkedSource:
         self.per_poll = per_poll
         self.pos = 0
         self.requests: list[str] = []
+        self.replies: list = []
 
     def poll(self) -> list:
         out = self.events[self.pos:self.pos + self.per_poll]
@@ -223,6 +224,29 @@ class ChunkedSource:
 
     def request(self, cmd: str, quiet: bool = False, **args) -> None:
         self.requests.append(cmd)
+        if cmd in ("pause", "resume"):  # the engine answers with its state, as kvscope's control does
+            self.replies.append((cmd, {"ok": True, "paused": cmd == "pause"}, quiet))
+
+    # the rest of LiveSource's face: what a LiveFeed reads beside the events
+    error: str | None = None
+    dropped_locally = 0  # set by a test: frames "lost" before the next poll
+    malformed = 0
+
+    def take_local_dropped(self) -> int:
+        n, self.dropped_locally = self.dropped_locally, 0
+        return n
+
+    def take_malformed(self) -> tuple[int, str | None]:
+        n, self.malformed = self.malformed, 0
+        return n, "bad frame" if n else None
+
+    def take_replies(self) -> list:
+        out, self.replies = self.replies, []
+        return out
+
+    def request_snapshot(self) -> bool:
+        self.requests.append("snapshot")
+        return True
 
     def close(self) -> None:
         pass

@@ -60,6 +60,7 @@ class EngineRow:
     itl_p99_s: float | None
     preemptions: int | None
     spark: list[float] = field(default_factory=list)
+    health: FeedHealth | None = None
 
 
 class EngineControls(Protocol):
@@ -200,7 +201,7 @@ class EventFeed:
             kv_used=kv.used / kv.total if kv.total else None, tok_per_s=st.rates()[1],
             ttft_p99_s=st.ttft.quantile(0.99) if st.ttft.n else None,
             itl_p99_s=st.itl.quantile(0.99) if st.itl.n else None,
-            preemptions=st.preemption_count, spark=list(self.spark.points),
+            preemptions=st.preemption_count, spark=list(self.spark.points), health=self.health(),
         )
 
     def close(self) -> None:

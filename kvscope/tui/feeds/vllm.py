@@ -94,6 +94,7 @@ class VllmFeed:
             ttft_p99_s=m.percentiles("time_to_first_token_seconds")[2],
             itl_p99_s=m.percentiles("inter_token_latency_seconds")[2],
             preemptions=None if total_pre is None else int(total_pre), spark=list(self.spark.points),
+            health=self.health(),
         )
 
     def health(self) -> FeedHealth:
@@ -103,7 +104,7 @@ class VllmFeed:
         if self.recorded:
             conn = CONN_REPLAY
         else:
-            conn = CONN_DISCONNECTED if v.metrics.last_error or (v.url and not v.metrics.last) else CONN_LIVE
+            conn = CONN_DISCONNECTED if v.metrics.last_error or not v.metrics.last else CONN_LIVE
         return FeedHealth(conn, v.kv.missed, v.kv.malformed, v.kv.missed > 0)
 
     def take_notices(self) -> list[Notice]:

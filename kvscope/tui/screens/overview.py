@@ -43,6 +43,9 @@ def row_cells(r: EngineRow, pal) -> list:
     dot = {"live": ("●", pal.ok), "replay": ("▶", pal.ok)}.get(r.connection, ("○", pal.bad))
     name = Text(f"{dot[0]} ", style=dot[1])
     name.append(r.name, style="bold")
+    h = r.health
+    if h is not None and (h.dropped or h.malformed or h.stale):  # the dashboard's header has the counts
+        name.append(" ⚠", style=f"bold {pal.warn}")
     return [name, r.setup, _cell(r.running, str), _cell(r.waiting, str), _cell(r.kv_used, fmt.pct),
             _cell(r.tok_per_s, fmt.rate), _cell(r.ttft_p99_s, fmt.dur), _cell(r.itl_p99_s, fmt.dur),
             _cell(r.preemptions, str), Text(sparkline(r.spark[-12:]), style=pal.bar)]
@@ -80,6 +83,7 @@ class OverviewScreen(FeedScreen):
             table.add_column(title, key=title)
         self.query_one(Input).display = False
         table.focus()
+        self._redraw()
 
     def visible_rows(self, rows: list[EngineRow]) -> list[EngineRow]:
         keep = [r for r in rows if self.filter_text.lower() in r.name.lower()]
