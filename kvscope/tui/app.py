@@ -11,6 +11,7 @@ player in ``__init__`` and reach this App typed (``FeedView.kvscope``), never by
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterable, Literal, Sequence
 
@@ -25,6 +26,7 @@ from kvscope.tui.screens import DashboardScreen, DiagnosisScreen, HelpScreen, Li
 from kvscope.tui.screens.base import FeedView
 
 MAX_FPS = 30.0
+STARTUP_LOG_ENV = "KVSCOPE_STARTUP_LOG"  # a file: "first-draw T" and "first-step T" (unix times) are appended
 First = Literal["dashboard", "overview", "compare", "vllm"]
 TITLES = {"dashboard": "kvscope", "overview": "kvscope · engines", "compare": "kvscope compare",
           "vllm": "kvscope · vLLM"}
@@ -66,6 +68,14 @@ class KvscopeApp(App):
         self.repaints = 0
         self._drawn_key = None
         self._last_draw = 0.0
+        self._startup_log = os.environ.get(STARTUP_LOG_ENV) or None
+        self._stepped = False
+
+    def _log_startup(self, what: str) -> None:
+        """How long start-up took, measured from outside (README: start-up figures)."""
+        if self._startup_log:
+            with open(self._startup_log, "a", encoding="utf-8") as f:
+                f.write(f"{what} {time.time():.6f}\n")
 
     # -- what tests and benches read ----------------------------------------------------
     @property
@@ -137,6 +147,11 @@ class KvscopeApp(App):
             applied += feed.pump(now)
             for n in feed.take_notices():
                 self.notify(n.text, severity=n.severity, timeout=n.timeout)  # type: ignore[arg-type]
+            if isinstance(feed, LiveFeed) and feed.fatal:
+                self.exit()  # the engine we started is gone: the caller raises its error
+            if not self._stepped and isinstance(feed, EventFeed) and feed.state.steps_seen:
+                self._stepped = True
+                self._log_startup("first-step")
         self.events_applied += applied
         self.redraw()
         return applied
@@ -161,6 +176,8 @@ class KvscopeApp(App):
             if not isinstance(screen, ModalScreen):
                 break
         self.repaints += 1
+        if self.repaints == 1 and self._startup_log:
+            self.call_after_refresh(self._log_startup, "first-draw")  # once it is on the terminal
 
     # -- what every screen can ask for ----------------------------------------------
     def open_diagnosis(self, feed: Feed) -> None:
@@ -201,6 +218,7 @@ class KvscopeApp(App):
 
 def _feeds_for(source: Any, player: Player | None, *, address: str = "") -> tuple[list[Feed], Player | None]:
     """The feed a bare source needs: a trace gets a ReplayFeed and a player on the trace's own clock."""
+    from kvscope.tui.feeds.live import LiveSourceLike
     from kvscope.tui.sources import LiveSource, ReplayController
 
     if isinstance(source, ReplayController):
@@ -210,4 +228,6 @@ def _feeds_for(source: Any, player: Player | None, *, address: str = "") -> tupl
         return [ReplayFeed(source)], player
     if isinstance(source, LiveSource):
         return [LiveFeed(source, address=address or source.events_addr)], player
+    if isinstance(source, LiveSourceLike):  # a wrapped or fake live source
+        return [LiveFeed(source, address=address)], player
     return [EventFeed(source, address=address)], player

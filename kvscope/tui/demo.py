@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
 
 from kvscope.engine.config import usable_cores
 from kvscope.engine.errors import KvscopeError
@@ -70,15 +72,56 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
                            extra_args=extra_args)
     proc, log_path = start_engine(cmd, log_path)
     code = None
+    failed = False
     try:
-        print("kvscope demo: starting the engine ...", file=sys.stderr, flush=True)
-        if not wait_until_serving(proc, events_addr, start_timeout_s):
-            raise KvscopeError(_engine_failed(proc.poll(), log_path))
-        run_live(events_addr, control_addr, palette=palette)
+        if sys.stdout.isatty():
+            # The dashboard draws at once; the engine loads torch and the model in parallel, and the
+            # header shows that as a progress line until its first step.
+            run_live(events_addr, control_addr, palette=palette,
+                     starting=EngineStart(proc, log_path, model=cmd[cmd.index("--model") + 1]))
+        else:  # no terminal to draw on: say whether the engine came up, then run (scripts, tests)
+            print("kvscope demo: starting the engine ...", file=sys.stderr, flush=True)
+            if not wait_until_serving(proc, events_addr, start_timeout_s):
+                raise KvscopeError(_engine_failed(proc.poll(), log_path))
+            run_live(events_addr, control_addr, palette=palette)
+    except KvscopeError:
+        failed = True
+        raise
     finally:
         code = stop_engine(proc, control_addr)
-    if code not in (0, None, -signal.SIGTERM):
+    if not failed and code not in (0, None, -signal.SIGTERM):
         print(f"kvscope demo: warning: {_engine_failed(code, log_path)}", file=sys.stderr)
+
+
+class EngineStart:
+    """The demo's engine child while it starts: the header's progress line, or its error if it exits."""
+
+    def __init__(self, proc, log_path: str, *, model: str) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.model = model
+        self.t0 = time.monotonic()
+
+    def line(self) -> str:
+        said = _last_line(self.log_path)
+        what = f" · {said[:60]}" if said else ""
+        return (f"starting the engine: importing torch, loading {self.model} … "
+                f"{time.monotonic() - self.t0:.1f} s{what}")
+
+    def error(self) -> str | None:
+        code = self.proc.poll()
+        return None if code is None else _engine_failed(code, self.log_path)
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 400))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def _engine_failed(code, log_path: str) -> str:

@@ -12,17 +12,23 @@ from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
 
 def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = DEFAULT_CONTROL_ADDR,
-             palette: str = "default") -> None:
-    """Watch a live engine. Survives the engine starting later, exiting and restarting."""
+             palette: str = "default", *, starting=None) -> None:
+    """Watch a live engine. Survives the engine starting later, exiting and restarting.
+
+    ``starting`` (feeds.live.EngineStarting): an engine this view started; the header shows its
+    progress until its first step, and if it dies first the app ends with its error (KvscopeError)."""
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.feeds import LiveFeed
     from kvscope.tui.sources import LiveSource
 
     source = LiveSource(events_addr, control_addr)
+    feed = LiveFeed(source, address=events_addr, starting=starting)
     try:
-        KvscopeApp([LiveFeed(source, address=events_addr)], palette=palette).run()
+        KvscopeApp([feed], palette=palette).run()
     finally:
         source.close()
+    if feed.fatal:
+        raise KvscopeError(feed.fatal)
 
 
 def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,

@@ -117,6 +117,7 @@ class EventFeed:
     """kvscope events from any source with ``poll() -> list[Event]`` and ``connection``."""
 
     kind = "kvscope"
+    loading: str | None = None  # a progress line while an engine this view started loads (LiveFeed)
 
     def __init__(self, source: Any, *, name: str = "", address: str = "",
                  diagnosis_window: int = DIAGNOSIS_WINDOW) -> None:
@@ -143,6 +144,7 @@ class EventFeed:
     @property
     def paused(self) -> bool:
         return False
+
 
     def _connection(self) -> str:
         return self.source.connection

@@ -8,14 +8,15 @@ opened from the overview all get this, because they all watch a LiveFeed.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvscope.tui.feeds.base import EngineControls, EventFeed, Notice
 from kvscope.tui.state import CONN_LIVE, note_local_drop, note_malformed
 
 
+@runtime_checkable
 class LiveSourceLike(Protocol):
-    """sources.LiveSource's face (tests give fakes of it)."""
+    """sources.LiveSource's face (tests give fakes of it, or wrap it)."""
 
     connection: str
     error: str | None
@@ -35,11 +36,28 @@ class LiveSourceLike(Protocol):
     def close(self) -> None: ...
 
 
+class EngineStarting(Protocol):
+    """An engine this view started and is waiting for (`kvscope demo`): a progress line until its first
+    step, and its one-line error if it exits first."""
+
+    def line(self) -> str: ...
+
+    def error(self) -> str | None: ...
+
+
 class LiveFeed(EventFeed):
-    def __init__(self, source: LiveSourceLike, *, name: str = "", address: str = "", **kw) -> None:
+    def __init__(self, source: LiveSourceLike, *, name: str = "", address: str = "",
+                 starting: EngineStarting | None = None, **kw) -> None:
         super().__init__(source, name=name or address, address=address, **kw)
         self._paused = False
         self._error_shown: str | None = None
+        self.starting = starting
+        self.loading: str | None = starting.line() if starting is not None else None  # the header's progress line
+        self.fatal: str | None = None  # the engine we started died before its first step: the App exits
+
+    @property
+    def version(self) -> tuple:
+        return (id(self.state), self.state.version, self._paused, self.loading, self.fatal)
 
     @property
     def controls(self) -> EngineControls:
@@ -71,6 +89,19 @@ class LiveFeed(EventFeed):
             self._notices.append(Notice(src.error, "error", 15))
         if st.stale and self._connection() == CONN_LIVE:
             src.request_snapshot()
+        if self.starting is not None:
+            self._follow_start(st)
+
+    def _follow_start(self, st) -> None:
+        if st.steps_seen:  # the engine is serving: the progress line has done its job
+            self.starting = self.loading = None
+            return
+        err = self.starting.error()
+        if err is not None:
+            self.fatal, self.starting, self.loading = err, None, None
+            self._notices.append(Notice(err, "error", 15))
+        else:
+            self.loading = self.starting.line()
 
     def _on_reply(self, cmd: str, reply: dict, quiet: bool) -> None:
         if "paused" in reply:

@@ -62,7 +62,7 @@ class DashboardScreen(FeedScreen):
     def draw(self, pal: "Palette") -> None:
         feed = self.feed
         for h in self.query(HeaderBar):
-            h.address, h.paused = feed.address, feed.paused
+            h.address, h.paused, h.loading = feed.address, feed.paused, feed.loading
         for w in self.query(StateWidget):
             w.show(feed.state, pal, self.selected)
 

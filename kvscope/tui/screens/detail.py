@@ -46,6 +46,6 @@ class RequestDetailScreen(FeedScreen):
 
     def draw(self, pal: "Palette") -> None:
         for h in self.query(HeaderBar):
-            h.address, h.paused = self.feed.address, self.feed.paused
+            h.address, h.paused, h.loading = self.feed.address, self.feed.paused, self.feed.loading
         for w in self.query(StateWidget):
             w.show(self.feed.state, pal, self.req)

@@ -16,6 +16,7 @@ class HeaderBar(StateWidget):
 
     address = ""
     paused = False
+    loading: str | None = None  # an engine this view started, until its first step (`kvscope demo`)
 
     def render(self) -> Text:
         st = self.state
@@ -46,6 +47,8 @@ class HeaderBar(StateWidget):
             seqs = cfg.max_num_seqs
             if seqs:
                 top.append(f" · seqs {seqs}", style=pal.dim)
+        elif self.loading:
+            top.append(f" ⧗ {self.loading}", style=f"bold {pal.warn}")
         else:
             top.append(" engine config unknown (hello not seen yet)", style=pal.dim)
 
