@@ -63,6 +63,18 @@ def test_journal_lists_table_additions_in_order_and_refs_supersede():
     log.free(4)  # ...evicted...
     log.alloc(4, 6)  # ...and reused: its count is 1 again
     assert log.take() == ([(4, 6)], [4], [(4, 0), (4, 1)])
+    log.ref(7, 0)  # block 7 cached, evicted, handed to request 4, which finishes and frees it, all in one step
+    log.free(7)
+    log.alloc(7, 4)
+    log.ref(7, 1)
+    log.drop(4)
+    log.free(7)
+    alloc, freed, refs = log.take()
+    assert alloc == [] and freed == [7] and refs[-1] == (7, 1)  # the wire keeps the count; the rule voids it
+    m = BlockMap(8)
+    m.apply([(7, 10)], [], [])
+    m.apply(alloc, freed, refs)
+    assert m.refcounts() == {} and m.owners() == {}  # free: neither held nor cached
 
 
 def test_shared_blocks_keep_first_owner_cached_blocks_stay():

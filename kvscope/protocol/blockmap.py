@@ -11,8 +11,9 @@ The rule, per step: (1) every block in ``freed`` leaves the map; (2) each ``allo
 (block, req) adds the block to req's table, and the first entry of the step that
 finds the block free, cached (refcount 0) or dropped to 0 earlier in the step makes
 req its owner (the claimer); a block still owned just gains a sharer; (3) ``refs``
-set absolute refcounts, the last one per block winning; a block left at refcount 0
-and not freed is *cached*. A request's table is dropped when it is preempted or
+set absolute refcounts, the last one per block winning, except that a block in ``freed``
+and in no ``alloc`` entry takes none (its counts were recorded before it was freed: it
+can only come back through an alloc); a block left at refcount 0 and not freed is *cached*. A request's table is dropped when it is preempted or
 finishes; a freed block leaves its owner's table (a sliding window frees leading blocks).
 """
 
@@ -173,6 +174,10 @@ class BlockMap:
                         tables[req] = [b]
                 elif max_table is None or len(tbl) < max_table:
                     tbl.append(b)
+        if refs and freed:  # counts of a block freed later in the step, and not handed out again, are void
+            gone = set(freed).difference(b for b, _ in alloc)
+            if gone:
+                refs = [r for r in refs if r[0] not in gone]
         for b, v in (dict(refs).items() if refs else ()):  # the last count per block wins
             if v > 0:
                 refc[b] = v
