@@ -126,9 +126,16 @@ def test_trace_info_names_what_was_watched(recorded, capsys):
     assert "warnings:   none" in out
 
 
+def test_diagnose_reads_a_vllm_recording(recorded, capsys):
+    path, rec = recorded
+    assert main(["diagnose", str(path), "--no-what-if"]) == 0
+    out = capsys.readouterr().out
+    assert f"{rec.scrapes} scrapes" in out and "bottleneck: " in out and "[vllm:" in out
+
+
 def test_engine_commands_refuse_a_vllm_recording_in_one_line(recorded, capsys, tmp_path):
     path, _ = recorded
-    for argv in (["diagnose", str(path)], ["calibrate", str(path)],
+    for argv in (["calibrate", str(path)],
                  ["export", str(path), "--steps", str(tmp_path / "s.csv")]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()

@@ -18,6 +18,9 @@ from kvscope.errors import KvscopeError
 
 MAX_TEXT_BYTES = 8 << 20
 PREFIX = "vllm:"
+INFO_SKIP = ("model_name", "engine")  # an info gauge's labels kept as "key=value" (these are on every series)
+MAX_INFO_LABELS = 256
+MAX_INFO_CHARS = 200  # the protocol's name length
 
 
 class MetricsError(KvscopeError):
@@ -28,8 +31,9 @@ class MetricsError(KvscopeError):
 class Scrape:
     t: float  # wall seconds
     gauges: dict[str, float] = field(default_factory=dict)
-    by_label: dict[str, dict[str, float]] = field(default_factory=dict)  # gauge -> reason/label -> value
-    counters: dict[str, float] = field(default_factory=dict)  # name without _total
+    # gauge -> reason -> value; an info gauge (name ending _info) -> "key=value" -> 1
+    by_label: dict[str, dict[str, float]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # name without _total; histogram sums as NAME_sum
     buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # cumulative (le, count)
     skipped: int = 0  # malformed or unknown samples
     model: str | None = None  # the first model_name label seen
@@ -61,12 +65,21 @@ def parse(text: str, t: float) -> Scrape:
                 continue
             if fam.type == "gauge":
                 scrape.gauges[name] = scrape.gauges.get(name, 0.0) + value
+                if name.endswith("_info"):  # an info gauge (cache_config_info): its labels are the data
+                    info = scrape.by_label.setdefault(name, {})
+                    for k, v in s.labels.items():
+                        if k not in INFO_SKIP and len(info) < MAX_INFO_LABELS:
+                            info[f"{k}={v}"[:MAX_INFO_CHARS]] = 1.0
+                    continue
                 label = s.labels.get("reason")
                 if label is not None:
                     scrape.by_label.setdefault(name, {})
                     scrape.by_label[name][label] = scrape.by_label[name].get(label, 0.0) + value
             elif fam.type == "counter" and s.name.endswith("_total"):
                 scrape.counters[name] = scrape.counters.get(name, 0.0) + value
+            elif fam.type == "histogram" and s.name.endswith("_sum"):
+                key = name + "_sum"  # kept with the counters: a mean per observation is a delta of both
+                scrape.counters[key] = scrape.counters.get(key, 0.0) + value
             elif fam.type == "histogram" and s.name.endswith("_bucket"):
                 try:
                     le = float(s.labels["le"])
@@ -78,6 +91,15 @@ def parse(text: str, t: float) -> Scrape:
     for name, per in buckets.items():
         scrape.buckets[name] = sorted(per.items())
     return scrape
+
+
+def info_labels(kept: dict[str, float]) -> dict[str, str]:
+    """The labels of an info gauge as parse() keeps them ("key=value" -> 1) back to key -> value."""
+    out = {}
+    for kv in kept:
+        k, _, v = kv.partition("=")
+        out[k] = v
+    return out
 
 
 def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -125,6 +147,13 @@ class MetricsView:
     @property
     def last(self) -> Scrape | None:
         return self.scrapes[-1] if self.scrapes else None
+
+    def info(self, name: str = "cache_config_info") -> dict[str, str]:
+        """An info gauge's labels from the last scrape that had it (cache_config_info: vLLM's CacheConfig)."""
+        for s in reversed(self.scrapes):
+            if name in s.by_label:
+                return info_labels(s.by_label[name])
+        return {}
 
     def gauge(self, name: str, *aliases: str) -> float | None:
         s = self.last

@@ -51,6 +51,7 @@ class Diagnosis(msgspec.Struct, kw_only=True):
     trace_figures: RunFigures
     what_if: Any = None  # predict.WhatIf, or None with --no-what-if
     signals: Signals | None = None
+    vllm: Any = None  # adapters.vllm_signals.VllmFacts for a watched vLLM: its settings and where each came from
 
 
 class NoSteps(KvscopeError, ValueError):
@@ -83,7 +84,12 @@ def judge(log: StepLog, requests: TraceRequests | None = None, source: str = "<e
     if not cfg:
         cannot.append("no hello: the engine config is unknown, so knobs cannot name their current values")
     top, rest = V.rule(s, cfg)
-    knobs, refusals = K.choose(top.bottleneck, rest, cfg, s)
+    if str(cfg.get("backend", "")).startswith("vllm"):  # a vLLM's own steps (adapters.vllm_plugin): its flags
+        from kvscope.adapters import vllm_knobs
+
+        knobs, refusals = vllm_knobs.choose(top.bottleneck, rest, cfg, s)
+    else:
+        knobs, refusals = K.choose(top.bottleneck, rest, cfg, s)
     secondary = [Runner(bottleneck=r.bottleneck, score=round(r.score, 2), evidence=r.evidence[0].text) for r in rest]
     figures = requests.figures() if requests is not None else RunFigures(
         output_tok_per_s=0.0, ttft_p50_s=s.ttft_p50, ttft_p99_s=s.ttft_p99, itl_p99_s=s.itl_p99,
@@ -121,10 +127,11 @@ def diagnose_events(events: Iterable[Any], *, window: int | None = None, what_if
 
 
 def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True) -> Diagnosis:
-    """Diagnose a .kvtrace file; a trace cut short is diagnosed up to where its good data ends."""
+    """Diagnose a .kvtrace file; a trace cut short is diagnosed up to where its good data ends.
+    A recorded vLLM (`kvscope record --vllm`) is adapters.vllm_diagnose.diagnose_vllm_trace's."""
     from kvscope.traces.reader import engine_trace
 
-    reader = engine_trace(path, "diagnose")
+    reader = engine_trace(path, "diagnose_trace")
     d = diagnose_events(reader, window=window, what_if=what_if, source=path)
     if reader.warnings:
         d.cannot_judge.insert(0, f"{reader.warnings[0]}: diagnosed the {d.steps} steps before it")

@@ -35,15 +35,32 @@ def figures_table(cols: list[tuple[str, RunFigures | None]], indent: str = "    
     return lines
 
 
+def _vllm_head(d: Diagnosis) -> list[str]:
+    v = d.vllm
+    lines = [f"diagnosis of {d.source}",
+             f"  vLLM serving {d.config.get('model') or '?'}: {v.scrapes:,} scrapes over {v.span_s:,.0f} s "
+             f"({v.busy_intervals:,} busy intervals, {v.iterations:,} engine steps), {d.requests:,} finished requests"
+             + (f" (last {d.window} intervals only)" if d.window else ""),
+             "  settings (vLLM's flags, and where each value came from):"]
+    lines += [f"    {s.name} {'?' if s.value is None else s.value}  ({s.source})" for s in v.settings]
+    return lines
+
+
 def format_text(d: Diagnosis) -> str:
+    if d.backend == "vllm" and d.vllm is not None:
+        return "\n".join(_vllm_head(d) + _body(d))
     c = d.config
     where = (f"sim {c.get('model')} on {c.get('gpu')}" + (f" x{c.get('tp')}" if (c.get('tp') or 1) > 1 else "")
              if d.backend == "sim" else f"{c.get('model', '?')} on {c.get('device', '?')}")
     lines = [f"diagnosis of {d.source}",
              f"  {where}; mode {c.get('mode')}, policy {c.get('policy')}, max_num_seqs {c.get('max_num_seqs')}, "
              f"max_num_batched_tokens {c.get('max_num_batched_tokens')}, {c.get('num_blocks')} KV blocks",
-             f"  {d.steps:,} steps" + (f" (last {d.window} only)" if d.window else "") + f", {d.requests:,} requests",
-             "", f"bottleneck: {d.bottleneck}  (score {d.score:g})", "evidence:"]
+             f"  {d.steps:,} steps" + (f" (last {d.window} only)" if d.window else "") + f", {d.requests:,} requests"]
+    return "\n".join(lines + _body(d))
+
+
+def _body(d: Diagnosis) -> list[str]:
+    lines = ["", f"bottleneck: {d.bottleneck}  (score {d.score:g})", "evidence:"]
     lines += [f"  - {e.text}" for e in d.evidence]
     if d.secondary:
         lines.append("secondary:")
@@ -55,7 +72,8 @@ def format_text(d: Diagnosis) -> str:
     else:
         lines.append("knobs, in order:")
         for i, k in enumerate(d.knobs, 1):
-            lines.append(f"  {i}. {k.flag} {k.from_} -> {k.to}: {k.why}")
+            frm = "?" if k.from_ is None and d.backend == "vllm" else k.from_
+            lines.append(f"  {i}. {k.flag} {frm} -> {k.to}: {k.why}")
             if k.predicted is not None:
                 lines += figures_table([("baseline", k.baseline), ("predicted", k.predicted)], "       ", change=True)
             elif w is not None and w.ran:
@@ -73,4 +91,4 @@ def format_text(d: Diagnosis) -> str:
     lines += ["", f"measure next: {d.measure_next}"]
     if d.cannot_judge:
         lines += ["", "could not judge:"] + [f"  - {x}" for x in d.cannot_judge]
-    return "\n".join(lines)
+    return lines

@@ -52,6 +52,7 @@ class Evidence(msgspec.Struct, kw_only=True):
     threshold: float | int | None
     comparison: str  # ">=", "<", ...
     text: str
+    series: str | None = None  # a watched vLLM's: the series the figure came from
 
 
 class Ruling(msgspec.Struct, kw_only=True):

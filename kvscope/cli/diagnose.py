@@ -7,6 +7,7 @@ import sys
 
 from kvscope.cli.command import Command
 from kvscope.cli.common import UsageError, check_output_path, engine_args, engine_config, int_type, workload_args
+from kvscope.cli.diagnose_vllm import add_vllm_args, diagnose_file
 
 
 class Diagnose(Command):
@@ -20,15 +21,16 @@ class Diagnose(Command):
         p.add_argument("--no-what-if", action="store_true", help="skip re-running the requests in the sim")
         engine_args(p)
         workload_args(p, "mixed")
+        add_vllm_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from kvscope.analysis.diagnose import diagnose_events, diagnose_trace, to_json
+        from kvscope.analysis.diagnose import diagnose_events, to_json
         from kvscope.analysis.report import format_text
 
         check_output_path(args.json, inputs=[args.file])
         what_if = not args.no_what_if
         if args.file:
-            d = diagnose_trace(args.file, window=args.window, what_if=what_if)
+            d = diagnose_file(args, what_if)  # an engine trace, or a recorded vLLM
         elif args.backend == "sim":
             from kvscope.workload import load_spec
 

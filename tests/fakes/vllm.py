@@ -21,6 +21,12 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0]
 MODEL = "Qwen/Qwen3-0.6B"
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]  # vLLM's 1-2-5 up to max_model_len 8192
+CACHE_CONFIG = {"block_size": "16", "gpu_memory_utilization": "0.9", "swap_space": "4", "cache_dtype": "auto",
+                "num_gpu_blocks": "4096", "num_cpu_blocks": "None", "enable_prefix_caching": "True"}
 
 
 # ---- vLLM's classes, both encodings ---------------------------------------------------------
@@ -189,6 +195,28 @@ class FakeMetricsServer:
                               labels, buckets=TTFT_BUCKETS, registry=reg).labels(MODEL, "0")
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              labels, buckets=ITL_BUCKETS, registry=reg).labels(MODEL, "0")
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(MODEL, "0")
+
+        # the series a diagnosis reads beyond the view's (vllm/v1/metrics/loggers.py names and buckets)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKENS_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                               "request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                                 "request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                                "request.", REQUEST_LATENCY_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", LENGTH_BUCKETS)
+        self.gen_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                            LENGTH_BUCKETS)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labels + ["finished_reason"], registry=reg)
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     list(CACHE_CONFIG) + ["engine"], registry=reg)
+        info.labels(**CACHE_CONFIG, engine="0").set(1)
         self.body_override: bytes | None = None
         fake = self
 
@@ -213,6 +241,21 @@ class FakeMetricsServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
+
+    def waiting_for(self, capacity: int, deferred: int = 0) -> None:
+        """num_requests_waiting and its split by reason, as vLLM sets them together."""
+        self.waiting.set(capacity + deferred)
+        self.waiting_by_reason.labels(MODEL, "0", "capacity").set(capacity)
+        self.waiting_by_reason.labels(MODEL, "0", "deferred").set(deferred)
+
+    def finish(self, n: int, *, prompt: int, output: int, queue: float, e2e: float) -> None:
+        """n requests finished, as vLLM's PrometheusStatLogger observes each FinishedRequestStats."""
+        for _ in range(n):
+            self.success.labels(MODEL, "0", "length").inc()
+            self.prompt_len.observe(prompt)
+            self.gen_len.observe(output)
+            self.queue_time.observe(queue)
+            self.e2e.observe(e2e)
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -1,0 +1,284 @@
+"""A vLLM stat-logger plugin: every engine step of a real vLLM, published as kvscope protocol events.
+
+`pip install kvscope` registers ``KvscopeStatLogger`` under vLLM's entry-point group
+``vllm.stat_logger_plugins`` (pyproject.toml); `vllm serve` loads it into its frontend.
+It does nothing unless ``KVSCOPE_VLLM_PUBLISH`` names an address, e.g.
+``KVSCOPE_VLLM_PUBLISH=tcp://127.0.0.1:5557``: then it binds a PUB socket there (loopback
+only unless ``KVSCOPE_VLLM_ALLOW_REMOTE=1``) and `kvscope tui --connect ADDR`, `record
+--connect ADDR`, `replay` and `diagnose` read it as they read a kvscope engine.
+
+vLLM calls ``record(scheduler_stats, iteration_stats, ...)`` once per engine output batch
+(one step). This plugin must never slow or break vLLM, so ``record`` only puts the two
+stats objects on a bounded queue (vLLM makes new ones each step); the plugin's thread reads
+them (defensively: vLLM says these classes are not a stable interface) into events for a
+ZmqPublisher, whose own thread encodes and sends with NOBLOCK. A full queue drops the step
+and counts it (the next step's ``dropped``). No exception leaves ``record``; one while
+reading a step is counted and the step skipped. Importing
+this module imports no zmq and nothing of vLLM's beyond its StatLoggerBase.
+
+vLLM gives counts, not requests: a step's batch is one PREFILL entry (its prompt tokens)
+and one DECODE entry (its generation tokens) under the synthetic request ids below, and
+running / waiting are as many slot ids as vLLM counts. Finished requests are exact: each
+finish carries vLLM's own e2e time, its TTFT (e2e - decode time) and output length, after a
+``request`` event dated e2e seconds back; TTFTs and ITLs of the step are vLLM's own samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+ENV_ADDR = "KVSCOPE_VLLM_PUBLISH"
+ENV_REMOTE = "KVSCOPE_VLLM_ALLOW_REMOTE"
+BACKEND = "vllm-plugin"  # hello.config.backend of a vLLM's own steps
+QUEUE_SIZE = 4096  # events waiting to be sent; past this they are dropped and counted
+SNAPSHOT_EVERY = 128  # steps between a snapshot + hello: a late joiner (tui, record) starts from one
+KV_SCALE = 10_000  # KV blocks reported when vLLM's num_gpu_blocks is unknown (usage x this)
+PREFILL_ID, DECODE_ID, ANON_ID = -1, -2, -3  # synthetic request ids (vLLM names no request in its stats)
+RUNNING_SLOT, WAITING_SLOT = -1_000_000, -2_000_000  # running slot i is RUNNING_SLOT - i
+MAX_SLOTS = 4096  # slot ids per queue a step carries (the protocol has lists, not counts); more reads as this many
+log = logging.getLogger("kvscope.vllm_plugin")
+
+try:  # vLLM checks that a plugin subclasses its base; without vLLM (tests, kvscope alone) any base does
+    from vllm.v1.metrics.loggers import StatLoggerBase as _Base
+except Exception:  # noqa: BLE001 - vllm absent, or a version whose module moved
+    _Base = object
+
+
+def _get(obj, *path, default=None):
+    for name in path:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def engine_info(vllm_config) -> dict:
+    """EngineInfo fields from a VllmConfig, each read defensively."""
+    sched, cache = _get(vllm_config, "scheduler_config"), _get(vllm_config, "cache_config")
+    model, par = _get(vllm_config, "model_config"), _get(vllm_config, "parallel_config")
+    name = _get(model, "served_model_name") or _get(model, "model") or ""
+    if isinstance(name, (list, tuple)):  # served_model_name may list several; the first is the one reported
+        name = name[0] if name else ""
+    info = {"backend": BACKEND, "device": "cuda", "model": str(name)[:1000],
+            "mode": "chunked" if _get(sched, "enable_chunked_prefill", default=True) else "continuous",
+            "policy": str(_get(sched, "policy", default="fcfs"))}
+    ints = {"max_num_seqs": _get(sched, "max_num_seqs"), "max_num_batched_tokens": _get(sched, "max_num_batched_tokens"),
+            "max_model_len": _get(model, "max_model_len"), "num_blocks": _get(cache, "num_gpu_blocks"),
+            "block_size": _get(cache, "block_size"), "tp": _get(par, "tensor_parallel_size")}
+    for k, v in ints.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            info[k] = v
+    gmu = _get(cache, "gpu_memory_utilization")
+    if isinstance(gmu, float):
+        info["gpu_memory_utilization"] = gmu
+    if isinstance(_get(cache, "enable_prefix_caching"), bool):
+        info["prefix_caching"] = cache.enable_prefix_caching
+    dtype = _get(cache, "cache_dtype")
+    if isinstance(dtype, str):
+        info["kv_cache_dtype"] = dtype
+    return info
+
+
+class StepMaker:
+    """Turns one record() call into protocol events (pure: no I/O, no clock but the stats' own)."""
+
+    def __init__(self, info: dict, wall_start: float) -> None:
+        from kvscope.protocol.events import PROTOCOL_VERSION, EngineInfo, HelloEvent
+
+        self.info = info
+        self.hello = HelloEvent(PROTOCOL_VERSION, EngineInfo(**info), wall_start)
+        self.wall_start = wall_start
+        self.step = 0
+        self.next_req = 0
+        self.last_t: float | None = None
+        self.budget = int(info.get("max_num_batched_tokens") or 0)
+        self.blocks = int(info.get("num_blocks") or KV_SCALE)
+        self.max_seqs = info.get("max_num_seqs")
+        self._run_ids = [RUNNING_SLOT - i for i in range(MAX_SLOTS)]  # sliced per step: no per-step loop
+        self._wait_ids = [WAITING_SLOT - i for i in range(MAX_SLOTS)]
+
+    def events(self, sched, it, dropped: int = 0) -> list:
+        from kvscope.protocol import events as E
+
+        now = float(_get(it, "iteration_timestamp", default=None) or time.time())
+        t = max(0.0, now - self.wall_start)
+        details = _get(sched, "iteration_details")
+        if details is not None:
+            prefill = int(_get(details, "num_ctx_tokens", default=0))
+            decode = int(_get(details, "num_generation_tokens", default=0))
+        else:
+            prefill = int(_get(it, "prompt_token_stats", "computed", default=None)
+                          or _get(it, "num_prompt_tokens", default=0) or 0)
+            decode = max(0, int(_get(it, "num_generation_tokens", default=0))
+                         - len(_get(it, "time_to_first_tokens_iter", default=()) or ()))
+        elapsed = _get(details, "elapsed_ms")
+        dur = float(elapsed) / 1000 if isinstance(elapsed, (int, float)) and elapsed > 0 else \
+            (t - self.last_t if self.last_t is not None and t > self.last_t else 0.0)
+        self.last_t = t
+        running = min(MAX_SLOTS, int(_get(sched, "num_running_reqs", default=0)))
+        waiting = min(MAX_SLOTS, int(_get(sched, "num_waiting_reqs", default=0))
+                      + int(_get(sched, "num_skipped_waiting_reqs", default=0)))
+        usage = float(_get(sched, "kv_cache_usage", default=0.0))
+        preempted = int(_get(it, "num_preempted_reqs", default=0))
+        out: list = []
+        run_ids = self._run_ids[:max(0, running)]
+        wait_ids = self._wait_ids[:max(0, waiting)]
+        used = min(self.blocks, max(0, round(usage * self.blocks)))
+        kv = E.KvCounters(total=self.blocks, used=used, free=self.blocks - used)
+        if self.step % SNAPSHOT_EVERY == 0:  # as a kvscope engine does: a snapshot, then its hello
+            out += [E.SnapshotEvent(self.step, t, running=run_ids, waiting=wait_ids, kv=kv), self.hello]
+        self.step += 1
+        finished = []
+        for f in _get(it, "finished_requests", default=()) or ():
+            req = self.next_req
+            self.next_req += 1
+            e2e = max(0.0, float(_get(f, "e2e_latency", default=0.0)))
+            ttft = max(0.0, min(e2e, e2e - float(_get(f, "decode_time", default=0.0))))
+            gen = max(0, int(_get(f, "num_generation_tokens", default=0)))
+            out.append(E.RequestEvent(req, max(0, int(_get(f, "num_prompt_tokens", default=0))),
+                                      int(_get(f, "max_tokens_param", default=None) or gen), 0, max(0.0, t - e2e)))
+            reason = str(getattr(_get(f, "finish_reason"), "name", _get(f, "finish_reason")) or "stop").lower()
+            finished.append(E.Finish(req, ttft, e2e, gen, reason))
+        batch = [E.BatchEntry(PREFILL_ID, E.PREFILL, prefill, 0)] if prefill else []
+        if decode:
+            batch.append(E.BatchEntry(DECODE_ID, E.DECODE, decode, 0))
+        admission = E.Admission(E.VERDICT_IDLE)
+        if waiting:
+            admission = E.Admission(E.VERDICT_BLOCKED, self._reason(usage, preempted, running, prefill + decode))
+        elif batch:
+            admission = E.Admission(E.VERDICT_ADMITTED)
+        out.append(E.StepEvent(
+            step=self.step, t=t, dur=dur, budget=self.budget, batch=batch,
+            running=run_ids, waiting=wait_ids, admission=admission,
+            preemptions=[E.Preemption(ANON_ID, E.BLOCKED_KV, "recompute") for _ in range(min(preempted, MAX_SLOTS))],
+            sampled=[DECODE_ID] * min(MAX_SLOTS, decode + len(_get(it, "time_to_first_tokens_iter", default=()) or ())),
+            first_tokens=[E.FirstToken(ANON_ID, max(0.0, float(x)))
+                          for x in _get(it, "time_to_first_tokens_iter", default=()) or ()],
+            finished=finished,
+            itl=[E.ItlSample(DECODE_ID, max(0.0, float(x)))
+                 for x in _get(it, "inter_token_latencies_iter", default=()) or ()],
+            kv=kv, dropped=dropped))
+        return out
+
+    def _reason(self, usage: float, preempted: int, running: int, tokens: int) -> str:
+        """Why the head of WAITING waits, by which limit is reached (vLLM says only 'capacity')."""
+        from kvscope.protocol import events as E
+
+        if usage >= 0.9 or preempted:
+            return E.BLOCKED_KV
+        if self.max_seqs and running >= self.max_seqs:
+            return E.BLOCKED_SEQS
+        if self.budget and tokens >= 0.9 * self.budget:
+            return E.BLOCKED_BUDGET
+        return E.BLOCKED_KV
+
+
+class KvscopeStatLogger(_Base):
+    """vLLM's per-engine stat logger (StatLoggerBase): ``record`` once per step, never raising.
+
+    ``record`` only queues the step's two stats objects (vLLM makes new ones every step); this
+    logger's thread reads them into events and hands those to a ZmqPublisher (its own thread
+    encodes and sends). A full queue drops the step and counts it."""
+
+    def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.addr = os.environ.get(ENV_ADDR, "").strip() or None
+        self.publisher = None
+        self.maker: StepMaker | None = None
+        self.errors = 0
+        self.last_error: str | None = None
+        self.recorded = 0  # steps turned into events
+        self.dropped = 0  # steps dropped on a full queue (all time)
+        self._unsent_drops = 0  # ... not yet reported in a step's `dropped`
+        self._queue = None
+        self._thread = None
+        if self.addr is None:
+            return  # disabled: no socket, no thread, record() returns at once
+        try:
+            import queue
+            import threading
+
+            from kvscope.protocol.transport import ZmqPublisher
+
+            self.maker = StepMaker(engine_info(vllm_config), time.time())
+            self.publisher = ZmqPublisher(self.addr, queue_size=QUEUE_SIZE,
+                                          allow_remote=os.environ.get(ENV_REMOTE) == "1")
+            self._queue = queue.Queue(maxsize=QUEUE_SIZE)
+            self._thread = threading.Thread(target=self._run, name="kvscope-vllm-plugin", daemon=True)
+            self._thread.start()
+            log.info("kvscope: publishing vLLM engine %d steps on %s", engine_index, self.publisher.addr)
+        except Exception as e:  # noqa: BLE001 - a bad address must not stop vLLM from serving
+            self._fail(e)
+            self.publisher = None
+
+    def _fail(self, e: BaseException) -> None:
+        self.errors += 1
+        if self.last_error is None:
+            log.warning("kvscope: stat logger skipped a step: %s: %s", type(e).__name__, e)
+        self.last_error = f"{type(e).__name__}: {e}"[:500]
+
+    def record(self, scheduler_stats=None, iteration_stats=None, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        q = self._queue
+        if q is None:
+            return
+        try:
+            q.put_nowait((scheduler_stats, iteration_stats))
+        except Exception:  # noqa: BLE001 - queue.Full; nothing may reach vLLM's caller
+            self.dropped += 1
+            self._unsent_drops += 1
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                self.publish_step(*item)
+            finally:
+                q.task_done()
+
+    def publish_step(self, scheduler_stats, iteration_stats) -> None:
+        """One step's stats into events on the socket (the logger's thread; tests call it directly)."""
+        pub = self.publisher
+        if pub is None or (scheduler_stats is None and iteration_stats is None):
+            return
+        try:
+            drops, self._unsent_drops = self._unsent_drops, 0
+            for ev in self.maker.events(scheduler_stats, iteration_stats, drops + pub.take_dropped()):
+                pub.publish(ev)
+            self.recorded += 1
+        except Exception as e:  # noqa: BLE001 - vLLM changed a field: skip the step, count it
+            self._fail(e)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the queued steps are handed to the publisher (tests); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._queue is None or not self._queue.unfinished_tasks
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._queue is not None and self._thread is not None:
+            try:
+                self._queue.put(None, timeout=2.0)
+            except Exception:  # noqa: BLE001
+                pass
+            self._thread.join(timeout=5.0)
+        if self.publisher is not None:
+            try:
+                self.publisher.close()
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+            self.publisher = None
