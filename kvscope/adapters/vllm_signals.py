@@ -125,6 +125,11 @@ def _dc(a: Scrape, b: Scrape, name: str) -> float:
     return max(0.0, b.counters.get(name, 0.0) - a.counters.get(name, 0.0))
 
 
+def _present(s: Scrape) -> float:
+    """Requests in the engine at a scrape: running plus waiting."""
+    return s.gauges.get("num_requests_running", 0.0) + s.gauges.get("num_requests_waiting", 0.0)
+
+
 def _bool(v: str | None) -> bool | None:
     return None if v is None else v.strip().lower() in ("true", "1", "yes")
 
@@ -241,8 +246,7 @@ def read(scrapes: list[Scrape], flags: VllmFlags | None = None, cache=None) -> R
         capacity = reasons.get("capacity", waiting)
         kv = b.gauges.get("kv_cache_usage_perc", b.gauges.get("gpu_cache_usage_perc", 0.0))
         # arrivals: what finished plus what the queues grew by (vLLM counts no arrivals)
-        present = lambda x: x.gauges.get("num_requests_running", 0.0) + x.gauges.get("num_requests_waiting", 0.0)
-        arrived = max(0.0, _dc(a, b, "request_success") + present(b) - present(a))
+        arrived = max(0.0, _dc(a, b, "request_success") + _present(b) - _present(a))
         rows.append((dt, iters, tok, running, waiting, capacity, kv, _dc(a, b, "num_preemptions"),
                      _dc(a, b, "prompt_tokens"), _dc(a, b, "generation_tokens"), arrived, b.t))
     arr = np.array(rows, dtype=float).reshape(-1, 12)
