@@ -207,11 +207,11 @@ VLLM_TRACE = "traces/vllm/kvscope-as-vllm.kvtrace"
 
 
 @pytest.mark.anyio
-async def test_vllm_replay_steps_one_tick_and_says_diagnosis_is_not_available():
+async def test_vllm_replay_steps_one_tick_and_d_diagnoses_it():
     import os
 
-    from kvscope.tui.feeds.vllm import VLLM_DIAGNOSIS_UNAVAILABLE
     from kvscope.tui.launch import make_replay_app
+    from kvscope.tui.screens import DiagnosisScreen
     from kvscope.tui.screens.vllm import VllmReplayScreen
 
     path = os.path.join(os.path.dirname(__file__), "..", VLLM_TRACE)
@@ -225,10 +225,12 @@ async def test_vllm_replay_steps_one_tick_and_says_diagnosis_is_not_available():
         assert src.step == src.steps[1], "→ is one recorder tick, as it is one step in a kvscope replay"
         await pilot.press("left")
         assert src.step == src.steps[0]
-        await pilot.press("shift+right")
-        tenth = src.step
-        assert src.steps[1] < tenth < src.steps[-1]
+        await pilot.press("shift+end")  # every scrape of the recording in the view
+        await pilot.pause()
         await pilot.press("d")
         await pilot.pause()
-        assert isinstance(app.screen, VllmReplayScreen), "no empty panel: a one-line notice instead"
-        assert any(str(n.message) == VLLM_DIAGNOSIS_UNAVAILABLE for n in app._notifications)
+        assert isinstance(app.screen, DiagnosisScreen)
+        d = app.feeds[0].diagnose()  # what the panel shows: the verdict `kvscope diagnose` gives a recorded vLLM
+        assert d is not None and d.vllm is not None
+        body = str(app.screen.query_one("#diagnosis-body").render())
+        assert d.bottleneck in body

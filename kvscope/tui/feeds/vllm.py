@@ -11,7 +11,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Union
 
-from kvscope.tui.feeds.base import DiagnosisUnavailable, EngineControls, EngineRow, FeedHealth, Notice, Spark
+from kvscope.tui.feeds.base import EngineControls, EngineRow, FeedHealth, Notice, Spark
 from kvscope.tui.state import CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
 
 if TYPE_CHECKING:
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
 TOP_EVERY_S = 1.0  # the top-prefix list is the one costly piece: once a second is plenty
 
-VLLM_DIAGNOSIS_UNAVAILABLE = "diagnosis is not available for a vLLM yet (kvscope diagnose reads kvscope traces)"
 
 
 class VllmFeed:
@@ -111,8 +110,17 @@ class VllmFeed:
         return []
 
     def diagnose(self) -> "Diagnosis | None":
-        """THE place to plug kvscope's diagnosis of a vLLM in (kvscope.analysis); until then, one line."""
-        raise DiagnosisUnavailable(VLLM_DIAGNOSIS_UNAVAILABLE)
+        """The same verdict `kvscope diagnose` gives a recorded vLLM, over the scrapes the view holds
+        (no what-if here: that is the command's). None until two scrapes have arrived."""
+        from kvscope.adapters.vllm_diagnose import diagnose_state
+        from kvscope.analysis.diagnose import NoSteps
+
+        if self.view is None:
+            return None
+        try:
+            return diagnose_state(self.view, source=f"{'recorded' if self.recorded else 'live'} vLLM {self.name}")
+        except NoSteps:
+            return None
 
     def row(self) -> EngineRow:
         if self._row is None:
