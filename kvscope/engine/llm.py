@@ -20,9 +20,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop", "length", "max_model_len", or "rejected"
+    finish_reason: str | None  # "stop", "length", "max_model_len", "error", or "rejected"
     metrics: RequestMetrics | None
-    error: str | None = None  # why the request was rejected
+    error: str | None = None  # why the request was rejected, or (finish reason "error") why it failed
+    logprobs: list | None = None  # a TokenLogprobs per output token, when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -56,6 +57,6 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
     def _output(self, req: Request) -> RequestOutput:
-        tokens = req.output_token_ids
-        text = self.engine.tokenizer.decode(tokens) if self.engine.tokenizer is not None else ""
-        return RequestOutput(req.req_id, list(req.prompt_token_ids), tokens, text, req.finish_reason, req.metrics())
+        text = req.detokenizer.text if req.detokenizer is not None else ""  # kvscope.engine.detokenizer
+        return RequestOutput(req.req_id, list(req.prompt_token_ids), req.output_token_ids, text, req.finish_reason,
+                             req.metrics(), error=req.error, logprobs=req.logprobs)

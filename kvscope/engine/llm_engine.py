@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from kvscope.engine import telemetry
+from kvscope.engine import isolation, outputs, telemetry
 from kvscope.engine.backends import Backend, create_backend
 from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
 from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
@@ -22,13 +23,22 @@ __all__ = ["EventSink", "LLMEngine"]
 class _ParamsOf:
     """req_id -> SamplingParams of the scheduler's requests, looked up only for the rows a runner samples."""
 
-    __slots__ = ("_requests",)
+    __slots__ = ("_requests", "_eos")
 
-    def __init__(self, requests: dict[int, Request]) -> None:
+    def __init__(self, requests: dict[int, Request], eos_token_ids: frozenset[int]) -> None:
         self._requests = requests
+        self._eos = eos_token_ids
 
     def __getitem__(self, req_id: int) -> SamplingParams:
         return self._requests[req_id].params
+
+    def suppressed(self, req_id: int) -> list[int] | None:
+        """Tokens this request may not sample now: EOS and its stop ids until min_tokens are out."""
+        req = self._requests[req_id]
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            return None
+        return [*(() if p.ignore_eos else self._eos), *p.stop_token_ids] or None
 
 
 class LLMEngine:
@@ -106,10 +116,13 @@ class LLMEngine:
         return (f"KV cache {self.kv_cache_bytes / GiB:.2f} GiB on {self.device}: {self.num_blocks} blocks of "
                 f"{self.config.block_size} tokens ({self.kv_budget.how})")
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        """Text -> ids (with the tokenizer's special tokens, e.g. BOS, if asked); ids are checked."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise KvscopeError(f"model {self.config.model!r} has no tokenizer; pass token ids instead of text")
+            if add_special_tokens:
+                return self.tokenizer.encode(prompt, add_special_tokens=True)
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise KvscopeError("a prompt must be a string or a list of token ids")
@@ -120,20 +133,28 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival: float | None = None, source: str = "") -> int:
-        """Queue a request; raises RequestRejected (after publishing a reject) if it cannot be served."""
+                    arrival: float | None = None, source: str = "", *, arrival_time: float | None = None) -> int:
+        """Queue a request; raises RequestRejected (after publishing a reject) if it cannot be served.
+
+        `arrival_time` (vLLM's name; `arrival` is the same) is when the request arrived on this engine's
+        clock (`now()`), e.g. when an HTTP server received it; TTFT, queue time and e2e count from it.
+        """
         req_id = self._next_id
         self._next_id += 1
+        arrival = arrival_time if arrival_time is not None else arrival
         arrival = self.now() if arrival is None else arrival
         try:
             params.validate()
             token_ids = self.tokenize(prompt)
             self._check_fits(token_ids)
+            self._check_sampling(params)
         except KvscopeError as e:
             if self.sink is not None:
                 self.sink.publish(RejectEvent(req_id, str(e), self.now()))
             raise RequestRejected(str(e)) from None
         req = Request(req_id, token_ids, params, arrival, priority, source=source)
+        if params.detokenize and self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
         self.scheduler.add(req)
         if self.sink is not None:
             self.sink.publish(telemetry.request_event(req))
@@ -148,6 +169,16 @@ class LLMEngine:
             raise KvscopeError(f"prompt of {n} tokens does not fit in the KV cache ({capacity} tokens)")
         if n >= self.max_model_len:
             raise KvscopeError(f"prompt of {n} tokens leaves no room to generate within max_model_len {self.max_model_len}")
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise KvscopeError(f"stop token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if params.logprobs is not None and not hasattr(self.runner, "logprobs"):
+            raise KvscopeError(f"logprobs need logits: the {self.config.backend} backend computes none")
+        if params.stop and self.tokenizer is None:
+            raise KvscopeError(f"stop strings need a tokenizer; model {self.config.model!r} has none")
 
     def abort_request(self, req_id: int, reason: str = "abort") -> None:
         """End a request at the next step (finish reason `reason`); unknown or finished ids are ignored."""
@@ -165,11 +196,16 @@ class LLMEngine:
         out = sched.schedule(t_start)
         if out.has_copies:
             self.swapper.apply(out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
-        sampled = self.runner.run(out, _ParamsOf(sched.requests))
+        sampled, failures = isolation.run_isolated(self.runner, out, _ParamsOf(sched.requests,
+                                                                                 self.loaded.eos_token_ids))
         t_end = self.now()
-        # for the step event; looked up before update() releases the finished ones
-        sampled_reqs = [sched.requests[r] for r in sampled] if self.sink is not None else []
-        finished = aborted + sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
+        # a request whose inputs, forward or sampling failed ends here, alone (finish reason "error")
+        failed = isolation.end_failed(sched, out, failures, t_end)
+        # for the step event and the outputs; looked up before update() releases the finished ones
+        sampled_reqs = [sched.requests[r] for r in sampled]
+        finished = aborted + failed + sched.update(out, sampled, t_end, self.loaded.eos_token_ids)
+        finished += outputs.after_update(sched, sampled_reqs, finished, getattr(self.runner, "logprobs", None),
+                                         t_end)
         self.num_preemptions += len(out.preempted)
         deltas = self.block_manager.drain_deltas()
         kv = sched.kv_counters()

@@ -15,7 +15,7 @@ from kvscope.engine.block_manager import blocks_needed
 from kvscope.engine.inputs import InputBuilder
 from kvscope.engine.kv_sizing import zeroed_cpu_tensor
 from kvscope.engine.models import LoadedModel
-from kvscope.engine.sampler import Sampler
+from kvscope.engine.sampler import Sampler, TokenLogprobs
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.kernels import select_attention_ops
@@ -40,6 +40,9 @@ class ModelRunner:
         self.inputs = InputBuilder(block_size, num_blocks, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)
+        # of the last run(): the logprobs asked for, and the rows that could not be sampled
+        self.logprobs: dict[int, TokenLogprobs] = {}
+        self.failures: dict[int, str] = {}
         attention.install(self.model)
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -59,8 +62,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, params: dict[int, SamplingParams]) -> dict[int, int]:
-        """Compute the step; returns the sampled token of every sequence with sample=True."""
+        """Compute the step; returns the sampled token of every sequence with sample=True, except the
+        rows whose sampling failed (listed in `failures`). `params` may offer `suppressed(req_id)`: the
+        token ids that request must not sample this step (min_tokens)."""
         self.sampler.forget(out.finished_req_ids)
+        self.logprobs, self.failures = {}, {}
         if out.is_empty:
             return {}
         if self.graphs is not None and self.graphs.can_run(out):
@@ -70,5 +76,7 @@ class ModelRunner:
         sampled_ids = [s.req_id for s in out.seqs if s.sample]
         if not sampled_ids:
             return {}
-        tokens = self.sampler.sample(logits.float(), sampled_ids, [params[r] for r in sampled_ids])
-        return dict(zip(sampled_ids, tokens))
+        result = self.sampler.sample(logits.float(), sampled_ids, [params[r] for r in sampled_ids],
+                                     getattr(params, "suppressed", None))
+        self.logprobs, self.failures = result.logprobs, result.failures
+        return result.tokens

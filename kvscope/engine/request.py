@@ -54,9 +54,13 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "max_model_len", "abort"
+    finish_reason: str | None = None  # "stop", "length", "max_model_len", "abort", "error"
     # static mode: generation ended but the row keeps its slot until the batch ends
     done_generating: bool = False
+    # outputs beyond the tokens (engine/outputs.py): text, logprobs, and why it failed
+    detokenizer: object | None = None  # an IncrementalDetokenizer when params.detokenize
+    logprobs: list | None = None  # a TokenLogprobs per output token, when params.logprobs is set
+    error: str | None = None  # finish reason "error": what went wrong
 
     def __post_init__(self) -> None:
         if not self.token_ids:

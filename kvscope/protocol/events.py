@@ -33,9 +33,12 @@ PREFILL, DECODE = "prefill", "decode"
 SWAP_OUT, SWAP_IN = "out", "in"
 
 # Why a request finished (Finish.reason). "abort" was added within v1: the request was
-# ended early (its HTTP client disconnected); older streams never carry it.
+# ended early (its HTTP client disconnected); older streams never carry it. "error" was
+# added within v1 too: building its inputs, running the model or sampling failed for this
+# request, which ended alone while the others went on.
 FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT = "stop", "length", "max_model_len", "abort"
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT)
+FINISH_ERROR = "error"
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT, FINISH_ERROR)
 
 
 class Mode(StrEnum):

@@ -4,9 +4,9 @@ Handlers (on the server's event loop) put jobs and aborts on one thread-safe
 queue. The engine thread drains it between steps (`poll`), blocks on it when idle
 (`wait`, no busy waiting), and after every step hands each live job its new text
 (`after_step`) through the job's own `deliver` callback, which the handler made
-thread-safe (``loop.call_soon_threadsafe``). Detokenizing and stop strings are
-checked here, on the engine thread, so a stop string ends its request before the
-next step computes another token for it.
+thread-safe (``loop.call_soon_threadsafe``). The text comes from the engine's own
+incremental detokenizer (kvscope.engine.detokenizer), which also ends a request at
+its stop string in the step that produced it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable
 
 from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.protocol.events import FINISH_ABORT, FINISH_STOP, SOURCE_HTTP
+from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 
 REJECTED, ACCEPTED, DELTA, DONE = "rejected", "accepted", "delta", "done"
 # why a job was refused before it reached the scheduler (the HTTP layer picks the status code)
@@ -28,11 +28,14 @@ TOO_LONG, BAD_PROMPT, QUEUE_FULL, STOPPED = "context_length_exceeded", "bad_prom
 class Update:
     kind: str  # REJECTED, ACCEPTED, DELTA or DONE
     text: str = ""  # new output text (DELTA, DONE)
-    finish_reason: str | None = None  # DONE: the engine's reason ("stop", "length", "max_model_len", "abort")
+    finish_reason: str | None = None  # DONE: the engine's reason ("stop", "length", "max_model_len", "abort", "error")
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated so far
-    error: str = ""  # REJECTED
+    error: str = ""  # REJECTED: why; DONE with reason "error": what failed
     code: str = ""  # REJECTED: TOO_LONG, BAD_PROMPT, QUEUE_FULL or STOPPED
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of the tokens since the last update
+    token_ids: list[int] = field(default_factory=list)  # ACCEPTED: the prompt's; DELTA/DONE: the new output ids
+    index: int = 0  # the choice this update is about (one per request today)
 
 
 @dataclass(eq=False)
@@ -43,44 +46,12 @@ class Job:
     params: SamplingParams
     deliver: Callable[[Update], None]
     priority: int = 0
-    stop: list[str] = field(default_factory=list)
     default_max_tokens: bool = False  # max_tokens was not given: fill the context (chat's default)
+    arrival: float | None = None  # when the server received it, on the engine's clock
+    add_special_tokens: bool = False  # tokenize the text prompt with the tokenizer's special tokens
     req_id: int | None = None
-    stream: "TextStream | None" = None
-
-
-class TextStream:
-    """Output ids -> text, holding back what could still change: a cut UTF-8 sequence, a stop string's start."""
-
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of text already handed out
-
-    def add(self, ids: list[int]) -> bool:
-        """Append new ids; True if a stop string now appears (the text is cut before it)."""
-        self.ids.extend(ids)
-        self.text = self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
-        start = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            return True
-        return False
-
-    def take(self, final: bool) -> str:
-        end = len(self.text)
-        if not final:
-            end -= self.hold
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1  # maybe half a character: the next token may complete it
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent : end], end
-        return out
+    sent_ids: int = 0  # output ids already handed out
+    sent_logprobs: int = 0
 
 
 class EngineBridge:
@@ -132,7 +103,7 @@ class EngineBridge:
                                f"{self.max_waiting}); retry later", code=QUEUE_FULL))
             return
         try:
-            ids = engine.tokenize(job.prompt)
+            ids = engine.tokenize(job.prompt, add_special_tokens=job.add_special_tokens)
         except KvscopeError:
             ids = None  # add_request below refuses it the same way, and publishes the reject event
         code = BAD_PROMPT
@@ -150,16 +121,15 @@ class EngineBridge:
                 code = TOO_LONG
         try:
             job.req_id = engine.add_request(ids if ids is not None else job.prompt, job.params, job.priority,
-                                            source=SOURCE_HTTP)
+                                            source=SOURCE_HTTP, arrival_time=job.arrival)
         except RequestRejected as e:
             job.deliver(Update(REJECTED, error=str(e), code=code))
             return
-        job.stream = TextStream(engine.tokenizer, job.stop)
         self._live[job.req_id] = job
-        job.deliver(Update(ACCEPTED, prompt_tokens=len(ids)))
+        job.deliver(Update(ACCEPTED, prompt_tokens=len(ids), token_ids=ids))
 
     def after_step(self, finished: list) -> None:
-        """Hand every live job its new text; finish the jobs whose requests ended (or hit a stop string)."""
+        """Hand every live job its new text (the engine's detokenizer settles it); finish the ended ones."""
         if not self._live:
             return
         ended = {r.req_id: r for r in finished}
@@ -168,23 +138,23 @@ class EngineBridge:
             req = ended.get(rid) or requests.get(rid)
             if req is None:
                 continue
-            stream = job.stream
-            new = req.output_token_ids[len(stream.ids):]
-            stopped = stream.add(new) if new else False
-            done = stopped or rid in ended
-            if not new and not done:
+            done = rid in ended
+            n_out = req.num_output_tokens
+            if n_out == job.sent_ids and not done:
                 continue
-            text = stream.take(final=done)
-            n_out, n_prompt = req.num_output_tokens, req.num_prompt_tokens
-            if not done:
-                if text:
-                    job.deliver(Update(DELTA, text, prompt_tokens=n_prompt, completion_tokens=n_out))
-                continue
-            reason = FINISH_STOP if stopped else req.finish_reason
-            if stopped and rid not in ended:
-                self.engine.abort_request(rid, FINISH_STOP)  # a stop string: the engine ends it at the next step
-            del self._live[rid]
-            job.deliver(Update(DONE, text, reason, prompt_tokens=n_prompt, completion_tokens=n_out))
+            new_ids = req.output_token_ids[job.sent_ids:]
+            job.sent_ids = n_out
+            logprobs = []
+            if req.logprobs is not None:
+                logprobs, job.sent_logprobs = req.logprobs[job.sent_logprobs:], len(req.logprobs)
+            text = req.detokenizer.take() if req.detokenizer is not None else ""
+            update = Update(DONE if done else DELTA, text, prompt_tokens=req.num_prompt_tokens,
+                            completion_tokens=n_out, logprobs=logprobs, token_ids=new_ids)
+            if done:
+                del self._live[rid]
+                update.finish_reason = req.finish_reason
+                update.error = req.error or ""
+            job.deliver(update)
 
     def close(self) -> None:
         """The engine stops: every waiting handler gets an answer."""

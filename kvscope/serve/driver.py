@@ -131,7 +131,8 @@ class Server:
                 print(f"kvscope: {cap} requests are waiting (max_waiting): refusing new ones "
                       f"({self.refused} so far)", file=sys.stderr)
             return
-        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=item.ignore_eos)
+        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=item.ignore_eos,
+                                detokenize=False)  # random token ids: nobody reads their text
         try:
             self.engine.add_request(item.prompt, params, item.priority, arrival=arrival)
         except RequestRejected as e:

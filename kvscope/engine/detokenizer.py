@@ -1,0 +1,100 @@
+"""Output token ids -> text, incrementally, emitting only complete characters.
+
+The one detokenizer of kvscope: the engine keeps one per request that wants text
+(`SamplingParams.detokenize`), and the HTTP API, the `LLM` API and stop strings all read
+it. Each step decodes only a short window of recent ids (with a few ids of context before
+it, so tokenizers that drop a leading space on the first id still space words right), and
+text that ends in an incomplete UTF-8 character is held back until the next id completes
+it. A reply cut by max_tokens in the middle of a character ends before that character:
+no U+FFFD the model did not produce ends up in the text.
+"""
+
+from __future__ import annotations
+
+from kvscope.engine.sampling_params import SamplingParams
+
+REPLACEMENT = "\ufffd"
+CONTEXT_IDS = 6  # prompt ids decoded before the output, for tokenizers whose decode depends on the left
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = [s for s in params.stop if s]
+        self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        # a stop string may still be forming in the last (longest - 1) characters: hold them back
+        self.hold = 0 if self.include_stop else max((len(s) for s in self.stop), default=1) - 1
+        context = list(prompt_ids[-CONTEXT_IDS:]) if prompt_ids else []
+        if context and self._decode(context).endswith(REPLACEMENT):
+            context = []  # a prompt that ends mid-character would lend its bytes to the first output
+        self._ids = context
+        self._prefix = 0  # ids[prefix:read] is the decoded context of the next piece
+        self._read = len(context)
+        self._before: str | None = None  # decode(ids[prefix:read]), kept until the offsets move
+        self.num_ids = 0  # output ids added
+        self.text = ""  # settled output text (a stop string's cut applied)
+        self.sent = 0  # characters of text handed out by take()
+        self.stopped = False  # a stop string ended the text
+        self.finished = False
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def add(self, new_ids: list[int]) -> bool:
+        """Append output ids; True once a stop string appears (the text is then cut there)."""
+        if self.stopped or self.finished or not new_ids:
+            return self.stopped
+        self._ids.extend(new_ids)
+        self.num_ids += len(new_ids)
+        if self._before is None:
+            self._before = self._decode(self._ids[self._prefix:self._read])
+        before = self._before
+        now = self._decode(self._ids[self._prefix:])
+        if len(now) <= len(before) or now.endswith(REPLACEMENT):
+            return False  # an incomplete character at the end: wait for the next id
+        start = len(self.text)
+        self.text += now[len(before):]
+        del self._ids[: self._read]  # the piece just read is the next piece's context; older ids go
+        self._prefix, self._read = 0, len(self._ids)
+        self._before = None
+        return self._check_stop(start)
+
+    def _check_stop(self, new_from: int) -> bool:
+        if not self.stop or self.num_ids < self.min_tokens:
+            return False
+        longest = max(len(s) for s in self.stop)
+        start = max(0, new_from - longest + 1)
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        self.stopped = True
+        return True
+
+    def finish(self) -> None:
+        """No more ids: whatever is settled is final (an incomplete last character is dropped)."""
+        self.finished = True
+
+    def take(self) -> str:
+        """Text settled since the last call. Until finish(), the last characters that could still
+        turn out to be a stop string are held back."""
+        end = len(self.text)
+        if not (self.finished or self.stopped):
+            end -= self.hold
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def detokenize(tokenizer, token_ids: list[int], params: SamplingParams | None = None) -> str:
+    """The settled text of a whole output at once, by the same rules."""
+    d = IncrementalDetokenizer(tokenizer, params or SamplingParams())
+    d.add(list(token_ids))
+    d.finish()
+    return d.text
