@@ -57,10 +57,10 @@ class Live:
 
 @contextlib.contextmanager
 def serving(config: EngineConfig | None = None, *, forever_workload: str | None = None, max_waiting=None,
-            served_model_name: str = "tiny"):
+            served_model_name: str | list[str] | None = "tiny", api_key: str | None = None):
     engine = LLMEngine(config or EngineConfig(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512))
     front = FrontEnd(engine, http="127.0.0.1:0", metrics_port=None, served_model_name=served_model_name,
-                     allow_remote=False, max_waiting=max_waiting)
+                     allow_remote=False, max_waiting=max_waiting, api_key=api_key)
     recorder = Recorder()
     engine.attach(FanOut([front.sink, recorder]))
     options = ServeOptions(workload=forever_workload or "mixed", forever=True, verbose_rejects=False)

@@ -12,6 +12,7 @@ import pytest
 
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.detokenizer import detokenize
 from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 from tests._serve import serving
 
@@ -36,7 +37,7 @@ def _greedy_text(prompt, n: int) -> str:
     engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     while engine.has_unfinished():
         done = engine.step()
-    return engine.tokenizer.decode(done[0].output_token_ids)
+    return detokenize(engine.tokenizer, done[0].output_token_ids)  # complete characters only
 
 
 def test_completion_plain_and_streaming_match_the_engine(live, client):
@@ -175,14 +176,18 @@ def test_clients_hanging_up_leave_nothing_running(live):
 BAD = [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
-    (json.dumps({"prompt": "x"}).encode(), 400, "model"),
+    (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny"}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
     (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
-    (json.dumps({"model": "tiny", "prompt": "x", "logprobs": 3}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny", "prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}).encode(), 400,
+     "stream_options"),
+    (json.dumps({"model": "tiny", "prompt": "x", "guided_choice": ["a", "b"]}).encode(), 400, "guided_choice"),
+    (json.dumps({"model": "tiny", "prompt": "x", "min_tokens": 20, "max_tokens": 5}).encode(), 400, "min_tokens"),
     (json.dumps({"model": "tiny", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": [1, 2, 99999]}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": [1, -1]}).encode(), 400, "prompt"),

@@ -40,8 +40,10 @@ class Serve(Command):
         h = p.add_argument_group("HTTP API (docs/HTTP.md) and Prometheus metrics (docs/METRICS.md)")
         h.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI API, e.g. 127.0.0.1:8000 (synthetic "
                        "traffic then runs only with --forever)")
-        h.add_argument("--served-model-name", metavar="NAME", help="the model name clients ask for "
-                       "(default: --model)")
+        h.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the model names clients may ask "
+                       "for; the first is the default and the one metrics carry (default: the --model argument)")
+        h.add_argument("--api-key", metavar="KEY", help="/v1 routes need 'Authorization: Bearer KEY' (default: "
+                       "$KVSCOPE_API_KEY, then $VLLM_API_KEY; none: open)")
         h.add_argument("--metrics-port", type=int_type(1, 65535), metavar="N",
                        help="also serve /metrics alone on port N")
 
@@ -165,10 +167,11 @@ def _front_end_check(args):
 
     if args.http:
         parse_host_port(args.http, args.allow_remote)
-    # the name clients ask for: the flag, else the model the engine resolved (its default included)
+    # the names clients ask for: the flag, else the model the engine resolved (its default included)
     return lambda engine: FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
                                    served_model_name=args.served_model_name or engine.config.model,
-                                   allow_remote=args.allow_remote, max_waiting=args.max_waiting)
+                                   allow_remote=args.allow_remote, max_waiting=args.max_waiting,
+                                   api_key=args.api_key)
 
 
 def _stop_on_sigterm() -> dict:

@@ -46,22 +46,27 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> bool:
         """Append output ids; True once a stop string appears (the text is then cut there)."""
-        if self.stopped or self.finished or not new_ids:
-            return self.stopped
-        self._ids.extend(new_ids)
-        self.num_ids += len(new_ids)
+        for token_id in new_ids:  # one at a time: each id may complete a character
+            if self.stopped or self.finished:
+                break
+            self._add_one(token_id)
+        return self.stopped
+
+    def _add_one(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        self.num_ids += 1
         if self._before is None:
             self._before = self._decode(self._ids[self._prefix:self._read])
         before = self._before
         now = self._decode(self._ids[self._prefix:])
         if len(now) <= len(before) or now.endswith(REPLACEMENT):
-            return False  # an incomplete character at the end: wait for the next id
+            return  # an incomplete character at the end: wait for the next id
         start = len(self.text)
         self.text += now[len(before):]
         del self._ids[: self._read]  # the piece just read is the next piece's context; older ids go
         self._prefix, self._read = 0, len(self._ids)
         self._before = None
-        return self._check_stop(start)
+        self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> bool:
         if not self.stop or self.num_ids < self.min_tokens:

@@ -63,6 +63,10 @@ class EngineBridge:
         self.closed = False
 
     # ---- any thread ----------------------------------------------------------------
+    def now(self) -> float:
+        """The engine's clock (safe from any thread: it only reads a counter)."""
+        return self.engine.now()
+
     def submit(self, job: Job) -> None:
         if self.closed:
             job.deliver(Update(REJECTED, error="the engine is stopping", code=STOPPED))

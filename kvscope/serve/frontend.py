@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 
 from kvscope.engine.errors import KvscopeError
 
 LOOPBACK_NAMES = ("localhost",)
+API_KEY_ENV = ("KVSCOPE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+
+
+def api_key_of(flag: str | None) -> str | None:
+    """--api-key, else $KVSCOPE_API_KEY, else $VLLM_API_KEY (vLLM's variable); empty means none."""
+    for value in (flag, *(os.environ.get(name) for name in API_KEY_ENV)):
+        if value:
+            return value
+    return None
 
 
 def parse_host_port(value: str, allow_remote: bool, what: str = "--http") -> tuple[str, int]:
@@ -31,7 +41,8 @@ def check_loopback(host: str, allow_remote: bool, what: str) -> None:
 
 
 def chat_template_of(tokenizer):
-    """The tokenizer's chat template as messages -> prompt text, or None (then the plain join is used)."""
+    """The tokenizer's chat template as (messages, add_generation_prompt, **kwargs) -> prompt text, or None
+    (then the plain join is used)."""
     render = getattr(tokenizer, "render_chat", None)
     return render if render is not None and getattr(tokenizer, "has_chat_template", False) else None
 
@@ -39,20 +50,25 @@ def chat_template_of(tokenizer):
 class FrontEnd:
     """The HTTP API (with /metrics) and/or a bare /metrics server, around one engine."""
 
-    def __init__(self, engine, *, http: str | None, metrics_port: int | None, served_model_name: str,
-                 allow_remote: bool, max_waiting: int | None = None) -> None:
+    def __init__(self, engine, *, http: str | None, metrics_port: int | None,
+                 served_model_name: str | list[str] | None = None, allow_remote: bool = False,
+                 max_waiting: int | None = None, api_key: str | None = None) -> None:
         from kvscope.serve.metrics import PrometheusSink
 
         from kvscope.serve.bridge import EngineBridge
 
         self.engine = engine
-        self.metrics = PrometheusSink(served_model_name)
+        # vLLM's rule: the served names default to the --model argument as given (a name, a directory,
+        # a .gguf path); the first name is the default `model` and the one metrics carry
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.served_model_names = names or [engine.config.model]
+        self.api_key = api_key_of(api_key)
+        self.metrics = PrometheusSink(self.served_model_names[0])
         self.http_address = parse_host_port(http, allow_remote) if http else None
         self.bridge = EngineBridge(engine, max_waiting=max_waiting) if http else None
         self.http = None
         self._metrics_server = None
         self._metrics_port = metrics_port
-        self.served_model_name = served_model_name
         self.allow_remote = allow_remote
         if metrics_port is not None and not 0 < metrics_port <= 65535:
             raise KvscopeError(f"--metrics-port takes a port number 1..65535 (got {metrics_port})")
@@ -65,8 +81,9 @@ class FrontEnd:
         if self.http_address is not None:
             from kvscope.serve.http import ApiInfo, HttpFrontEnd, HttpServer
 
-            info = ApiInfo(self.served_model_name, self.engine.max_model_len,
-                           chat_template_of(self.engine.tokenizer), self.metrics)
+            info = ApiInfo(self.served_model_names, self.engine.max_model_len,
+                           chat_template_of(self.engine.tokenizer), self.metrics, tokenizer=self.engine.tokenizer,
+                           api_key=self.api_key, root=self.engine.config.model)
             self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address)
             self.http.start()
         if self._metrics_port is not None:

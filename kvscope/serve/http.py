@@ -1,19 +1,21 @@
 """The OpenAI-compatible HTTP API (Starlette on uvicorn), beside the engine loop.
 
 Every handler runs on the server's event loop thread. A request becomes a Job on
-the bridge's queue; the engine thread answers through the job's deliver callback
-into an asyncio.Queue. A client that disconnects gets its engine request aborted.
-docs/HTTP.md describes the endpoints, parameters and errors.
+the bridge's queue, stamped with the time the server received it (on the engine's
+clock, so TTFT and queue time start there); the engine thread answers through the
+job's deliver callback into an asyncio.Queue. A client that disconnects gets its
+engine request aborted. docs/HTTP.md describes the endpoints, parameters and errors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -23,16 +25,35 @@ from starlette.routing import Route
 from kvscope.engine.errors import KvscopeError
 from kvscope.serve import openai_protocol as oa
 from kvscope.serve.bridge import ACCEPTED, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge, Job, Update
+from kvscope.serve.replies import Reply
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 @dataclass
 class ApiInfo:
-    served_model_name: str
+    served_model_names: list[str]  # the first is the default and the name metrics carry
     max_model_len: int
-    chat_template: object | None = None  # callable(messages) -> str, from the tokenizer
+    chat_template: object | None = None  # callable(messages, add_generation_prompt, **kwargs) -> str
     metrics: object | None = None  # kvscope.serve.metrics.PrometheusSink
+    tokenizer: object | None = None  # for logprobs' token strings, /tokenize and /detokenize
+    api_key: str | None = None  # every /v1 route then needs "Authorization: Bearer KEY"
+    root: str = ""  # the --model argument (the model card's root)
+    extra: dict = field(default_factory=dict)
+
+
+def kvscope_version() -> str:
+    """The installed package's version (vLLM's /version answers its own the same way)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvscope")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _json(struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(struct), status_code=status, media_type="application/json")
 
 
 def _error(e: oa.ApiError) -> JSONResponse:
@@ -47,8 +68,28 @@ def _rejected(update: Update, prompt_param: str) -> oa.ApiError:
     return oa.ApiError(400, update.error, param=prompt_param, code=TOO_LONG if update.code == TOO_LONG else None)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def _failed(update: Update) -> oa.ApiError:
+    """A request that the engine ended with reason "error": its own failure, a 500."""
+    return oa.ApiError(500, f"the request failed in the engine: {update.error or 'unknown error'}",
+                       type="server_error")
+
+
+class ApiKeyGuard:
+    """ASGI middleware: /v1 routes need "Authorization: Bearer KEY" (401 otherwise), as in vLLM."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = oa.ApiError(401, "Incorrect or missing API key: send Authorization: Bearer KEY",
+                                   code="invalid_api_key").body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class HttpFrontEnd:
@@ -60,11 +101,15 @@ class HttpFrontEnd:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
-                                                                 Exception: self._server_error})
+        starlette = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
+                                                                  Exception: self._server_error})
+        self.app = ApiKeyGuard(starlette, info.api_key) if info.api_key else starlette
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -74,20 +119,29 @@ class HttpFrontEnd:
         return _error(oa.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
     # ---- plain endpoints --------------------------------------------------------------
-    def _model_card(self) -> dict:
-        name = self.info.served_model_name
-        return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope", "root": name, "parent": None,
-                "max_model_len": self.info.max_model_len}
+    def _model_name(self, asked: str | None) -> str:
+        """The model a request asked for (None: the first served name); 404 for any other."""
+        names = self.info.served_model_names
+        if asked is None:
+            return names[0]
+        if asked not in names:
+            raise oa.ApiError(404, f"The model `{asked}` does not exist.", param="model", code="model_not_found")
+        return asked
 
-    async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+    def _model_card(self, name: str) -> oa.ModelCard:
+        return oa.ModelCard(name, root=self.info.root or name, max_model_len=self.info.max_model_len)
 
-    async def model(self, request: Request) -> JSONResponse:
-        name = request.path_params["model"]
-        if name != self.info.served_model_name:
-            return _error(oa.ApiError(404, f"The model `{name}` does not exist.", param="model",
-                                      code="model_not_found"))
-        return JSONResponse(self._model_card())
+    async def models(self, request: Request) -> Response:
+        return _json(oa.ModelList([self._model_card(n) for n in self.info.served_model_names]))
+
+    async def model(self, request: Request) -> Response:
+        try:
+            return _json(self._model_card(self._model_name(request.path_params["model"])))
+        except oa.ApiError as e:
+            return _error(e)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": kvscope_version()})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=503 if self.bridge.closed else 200)
@@ -97,6 +151,46 @@ class HttpFrontEnd:
             return _error(oa.ApiError(404, "metrics are not enabled", type="not_found_error"))
         body, content_type = self.info.metrics.exposition()
         return Response(body, media_type=content_type)
+
+    def _tokenizer(self):
+        if self.info.tokenizer is None:
+            raise oa.ApiError(400, "this model has no tokenizer: send token ids")
+        return self.info.tokenizer
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = await self._body(request, oa.TokenizeRequest)
+            self._model_name(req.model)
+            tok = self._tokenizer()
+            if (req.prompt is None) == (req.messages is None):
+                raise oa.ApiError(400, "give exactly one of prompt and messages", param="prompt")
+            if req.messages is not None:
+                text = self._chat_prompt(oa.chat_messages(req), req)
+                special = bool(req.add_special_tokens)
+            else:
+                text, special = req.prompt, req.add_special_tokens is not False
+            ids = tok.encode(text, add_special_tokens=True) if special else tok.encode(text)
+            strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else oa.UNSET
+            return _json(oa.TokenizeResponse(len(ids), self.info.max_model_len, ids, strs))
+        except oa.ApiError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=400)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = await self._body(request, oa.DetokenizeRequest)
+            self._model_name(req.model)
+            tok = self._tokenizer()
+            vocab = getattr(tok, "vocab_size", None) or len(tok._tok)  # noqa: SLF001 - HF's length
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise oa.ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+            return _json(oa.DetokenizeResponse(tok.decode(req.tokens)))
+        except oa.ApiError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=400)
 
     # ---- generation ---------------------------------------------------------------------
     async def _body(self, request: Request, kind: type):
@@ -111,49 +205,78 @@ class HttpFrontEnd:
             if size > oa.MAX_BODY_BYTES:
                 raise oa.ApiError(413, f"request body over {oa.MAX_BODY_BYTES} bytes")
             chunks.append(chunk)
-        req = oa.decode_body(b"".join(chunks), kind)
-        if req.model != self.info.served_model_name:
-            raise oa.ApiError(404, f"The model `{req.model}` does not exist.", param="model",
-                              code="model_not_found")
-        return req
+        return oa.decode_body(b"".join(chunks), kind)
 
     async def completions(self, request: Request) -> Response:
+        received = self.bridge.now()  # the request's arrival, on the engine's clock
         try:
             req = await self._body(request, oa.CompletionRequest)
+            name = self._model_name(req.model)
+            oa.check_request(req)
             prompt = oa.prompt_of(req)
-            params = oa.sampling_params(req, req.max_tokens, oa.COMPLETION_DEFAULT_MAX_TOKENS)
-            job_stop = oa.stop_strings(req)
+            params = oa.sampling_params(req, req.max_tokens, oa.COMPLETION_DEFAULT_MAX_TOKENS,
+                                        oa.completion_logprobs(req))
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=400)
-        return await self._run(request, req, Job(prompt, params, None, -req.priority, job_stop), chat=False)
+        job = Job(prompt, params, None, -req.priority, arrival=received,
+                  add_special_tokens=req.add_special_tokens is not False)
+        return await self._run(request, job, Reply(req, name, chat=False, tokenizer=self.info.tokenizer))
 
     async def chat(self, request: Request) -> Response:
+        received = self.bridge.now()
         try:
             req = await self._body(request, oa.ChatRequest)
+            name = self._model_name(req.model)
+            oa.check_request(req)
             messages = oa.chat_messages(req)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = oa.sampling_params(req, max_tokens, 1)
-            stop = oa.stop_strings(req)
-            prompt = self._chat_prompt(messages)
+            params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req))
+            prompt = self._chat_prompt(messages, req)
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=400)
-        job = Job(prompt, params, None, -req.priority, stop, default_max_tokens=max_tokens is None)
-        return await self._run(request, req, job, chat=True)
+        job = Job(prompt, params, None, -req.priority, default_max_tokens=max_tokens is None, arrival=received,
+                  add_special_tokens=bool(req.add_special_tokens))
+        return await self._run(request, job, Reply(req, name, chat=True, tokenizer=self.info.tokenizer))
 
-    def _chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def _chat_prompt(self, messages: list[dict[str, str]], req) -> str:
         render = self.info.chat_template
+        kwargs = dict(req.chat_template_kwargs or {})
         if render is None:
-            return oa.plain_chat_prompt(messages)
+            return oa.plain_chat_prompt(messages, req.add_generation_prompt, req.continue_final_message)
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
-            return render(messages)
+            return render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         except Exception as e:  # a template may refuse (e.g. roles out of order): the client's mistake
             raise oa.ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
 
-    async def _run(self, request: Request, req, job: Job, chat: bool) -> Response:
+    async def _next(self, request: Request, job: Job, updates: asyncio.Queue, watch: list[float]) -> Update | None:
+        """The next update; None if the client left meanwhile (its request is then aborted). The client
+        is looked at every DISCONNECT_POLL_S (watch[0]: when next), however fast tokens come."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                u = None
+                try:
+                    u = await asyncio.wait_for(updates.get(), max(0.0, watch[0] - loop.time()))
+                except asyncio.TimeoutError:
+                    pass
+                if loop.time() >= watch[0]:
+                    watch[0] = loop.time() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        self.bridge.abort(job)
+                        return None
+                if u is not None:
+                    return u
+        except asyncio.CancelledError:
+            self.bridge.abort(job)
+            raise
+
+    async def _run(self, request: Request, job: Job, reply: Reply) -> Response:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
 
@@ -171,67 +294,42 @@ class HttpFrontEnd:
             self.bridge.abort(job)  # gone before the engine took it: the abort follows it through the queue
             raise
         if first.kind == REJECTED:
-            return _error(_rejected(first, "messages" if chat else "prompt"))
+            return _error(_rejected(first, "messages" if reply.chat else "prompt"))
         assert first.kind == ACCEPTED
-        meta = oa.envelope(oa.new_id("chatcmpl" if chat else "cmpl"), "chat.completion" if chat else
-                           "text_completion", self.info.served_model_name)
-        if req.stream:
-            usage_wanted = req.stream_options is not None and req.stream_options.include_usage
-            if chat:
-                meta["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._stream(job, updates, meta, chat, usage_wanted, first.prompt_tokens),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, job, updates, meta, chat, first.prompt_tokens)
+        reply.accepted(first)
+        if reply.stream:
+            # headers go out now, as vLLM sends them; a failure later arrives as an error event in the stream
+            return StreamingResponse(self._stream(job, updates, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        watch = [loop.time() + DISCONNECT_POLL_S]
+        while True:
+            u = await self._next(request, job, updates, watch)
+            if u is None:
+                return Response(status_code=499)
+            reply.add(u)
+            if u.kind == DONE:
+                break
+        if u.finish_reason == "error":
+            return _error(_failed(u))  # this request's own failure: a 500; the others go on
+        return _json(reply.final())
 
-    async def _collect(self, request: Request, job: Job, updates: asyncio.Queue, meta: dict, chat: bool,
-                       prompt_tokens: int) -> Response:
-        parts: list[str] = []
-        loop = asyncio.get_running_loop()
-        next_check = loop.time() + DISCONNECT_POLL_S
-        try:
-            while True:
-                try:
-                    u = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    u = None
-                if u is not None:
-                    parts.append(u.text)
-                    if u.kind == DONE:
-                        break
-                if loop.time() >= next_check:  # tokens may keep coming: look at the client on a clock
-                    next_check = loop.time() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        self.bridge.abort(job)
-                        return Response(status_code=499)
-        except asyncio.CancelledError:
-            self.bridge.abort(job)
-            raise
-        reason = oa.openai_finish_reason(u.finish_reason)
-        text = "".join(parts)
-        choice = oa.chat_choice(text, reason) if chat else oa.completion_choice(text, reason)
-        return JSONResponse({**meta, "choices": [choice], "usage": oa.usage(prompt_tokens, u.completion_tokens)})
-
-    async def _stream(self, job: Job, updates: asyncio.Queue, meta: dict, chat: bool, usage_wanted: bool,
-                      prompt_tokens: int) -> AsyncIterator[str]:
-        extra = {"usage": None} if usage_wanted else {}
+    async def _stream(self, job: Job, updates: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
         done = False
         try:
-            if chat:
-                yield _sse({**meta, "choices": [oa.chat_delta({"role": "assistant", "content": ""}, None)], **extra})
+            for chunk in reply.opening():
+                yield chunk
             while not done:
                 u = await updates.get()
                 done = u.kind == DONE
-                reason = oa.openai_finish_reason(u.finish_reason) if done else None
-                if not u.text and not done:
-                    continue
-                if chat:
-                    choice = oa.chat_delta({"content": u.text} if u.text else {}, reason)
-                else:
-                    choice = oa.completion_choice(u.text, reason)
-                yield _sse({**meta, "choices": [choice], **extra})
-            if usage_wanted:
-                yield _sse({**meta, "choices": [], "usage": oa.usage(prompt_tokens, u.completion_tokens)})
-            yield "data: [DONE]\n\n"
+                if done and u.finish_reason == "error":
+                    yield reply.sse(_failed(u).body())
+                    break
+                for chunk in reply.chunks(u):
+                    yield chunk
+                if done:
+                    for chunk in reply.closing():
+                        yield chunk
+            yield b"data: [DONE]\n\n"
         finally:
             if not done:
                 self.bridge.abort(job)  # the client hung up (or the server is stopping)

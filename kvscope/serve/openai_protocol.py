@@ -1,24 +1,28 @@
-"""OpenAI request bodies (msgspec Structs), their checks, and the response and error shapes.
+"""OpenAI request and response bodies (msgspec Structs), their checks, and the error shape.
 
-Only what kvscope can honour is accepted: one prompt, one choice (n=1), no
-logprobs, penalties, tools or echo. Anything else is refused with a 400 that
-names the parameter, never silently ignored. docs/HTTP.md lists it all.
+No parameter is silently ignored. Every field of vLLM's request models either works
+(declared with its type below) or is refused with a 400 that names it unless it holds
+its neutral value (`REFUSED_*`). Fields neither OpenAI nor vLLM defines are ignored, as
+OpenAI does. docs/HTTP.md lists which is which.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, Struct, UnsetType
 
-from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_REQUEST_ID_CHARS = 256
 
 
 class ApiError(Exception):
@@ -33,59 +37,143 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; accepted, usage still comes once at the end
+# ---- requests ----------------------------------------------------------------------------------
+class StreamOptions(Struct):
+    include_usage: bool = True  # vLLM's default once stream_options is given
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    model: str
+class _Request(Struct, kw_only=True):
+    """The fields completions and chat share (OpenAI's and vLLM's sampling parameters)."""
+
+    model: str | None = None  # None: the first served model name
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; -1 or 0 disable it
+    top_k: int | None = None  # vLLM: -1 or 0 disable it
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM extension
-    priority: int = 0  # vLLM extension: lower is served first
-    user: str | None = None  # accepted and ignored, as OpenAI logs it
-    # refused unless left at their defaults (kvscope cannot honour them)
-    best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = None
+    priority: int = 0  # vLLM: lower is served first
+    user: str | None = None  # OpenAI's end-user id: recorded by OpenAI, no effect on the output
+    request_id: str | None = None  # vLLM: the response id is built from it
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # the reply carries prompt_token_ids and each choice's token_ids
+    add_special_tokens: bool | None = None  # completions default True, chat default False (vLLM's)
+    # vLLM fields kvscope cannot honour: refused unless neutral (REFUSED_COMMON)
+    best_of: Any = None
+    use_beam_search: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    logit_bias: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    echo: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    max_repetition_pattern_size: Any = None
+    min_repetition_pattern_size: Any = None
+    repetition_min_count: Any = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
-    prompt: Any  # str, [int], [str] or [[int]] with one prompt: checked in prompt_of()
-    echo: bool = False
-    suffix: str | None = None
-    logprobs: int | None = None
+_NONE = (None,)
+_FALSE = (None, False)
+# name -> the values that ask for nothing (anything else is a 400 naming the field)
+REFUSED_COMMON: dict[str, tuple] = {
+    "best_of": (None, 1), "use_beam_search": _FALSE, "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "length_penalty": (None, 1), "logit_bias": (None, {}),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "allowed_token_ids": _NONE,
+    "bad_words": (None, []), "prompt_logprobs": _NONE, "echo": _FALSE, "structured_outputs": _NONE,
+    "guided_json": _NONE, "guided_regex": _NONE, "guided_choice": _NONE, "guided_grammar": _NONE,
+    "guided_decoding_backend": _NONE, "guided_whitespace_pattern": _NONE, "structural_tag": _NONE,
+    "logits_processors": (None, []), "cache_salt": _NONE, "kv_transfer_params": _NONE, "vllm_xargs": (None, {}),
+    "mm_processor_kwargs": (None, {}), "max_repetition_pattern_size": (None, 0),
+    "min_repetition_pattern_size": (None, 0), "repetition_min_count": (None, 0),
+}
+REFUSED_COMPLETION: dict[str, tuple] = {"suffix": (None, ""), "prompt_embeds": _NONE}
+REFUSED_CHAT: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "reasoning_effort": _NONE,
+    "include_reasoning": (None, True), "documents": (None, []), "chat_template": _NONE, "media_io_kwargs": (None, {}),
+}
 
 
-class ContentPart(msgspec.Struct):
+class CompletionRequest(_Request, kw_only=True):
+    prompt: Any = None  # str, [int], [str] or [[int]] with one prompt: checked in prompt_of()
+    logprobs: int | None = None  # the top k per token (0: only the sampled token's)
+    suffix: Any = None
+    prompt_embeds: Any = None
+
+
+class ContentPart(Struct):
     type: str
     text: str | None = None
 
 
-class Message(msgspec.Struct):
+class Message(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ChatRequest(_Request, kw_only=True):
     messages: list[Message]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    tools: list[Any] | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only about tools, which are refused: nothing to do
+    tools: Any = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    media_io_kwargs: Any = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions would."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
 
 
 def decode_body(body: bytes, kind: type) -> Any:
@@ -102,36 +190,85 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid JSON body: {e}") from None
 
 
-def _refuse(req: _Sampling, names: dict[str, Any]) -> None:
-    for name, default in names.items():
+def _same(value: Any, neutral: Any) -> bool:
+    """value equals the neutral value, without True == 1 or 0 == False."""
+    if neutral is None or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_unsupported(req: Struct, table: dict[str, tuple]) -> None:
+    for name, neutral in table.items():
         value = getattr(req, name)
-        if value is not None and value != default:
-            raise ApiError(400, f"{name} is not supported by kvscope (got {value!r})", param=name)
+        if not any(_same(value, n) for n in neutral):
+            raise ApiError(400, f"{name} is not supported by kvscope (got {_short(value)})", param=name)
 
 
-def sampling_params(req: _Sampling, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+def check_request(req: _Request) -> None:
+    """The checks vLLM makes before sampling: n, stream_options, and the refused fields."""
     if req.n != 1:
+        # kvscope.engine forks no sequences yet; the HTTP side already answers per choice index
         raise ApiError(400, f"n must be 1: kvscope returns one choice per request (got {req.n})", param="n")
-    _refuse(req, {"best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                  "logit_bias": {}, "top_logprobs": 0})
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ApiError(400, f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters", param="request_id")
+    refuse_unsupported(req, REFUSED_COMMON)
+    if req.response_format is not None:
+        kind = req.response_format.get("type") if isinstance(req.response_format, dict) else None
+        if kind != "text":
+            raise ApiError(400, "only the text response_format is supported", param="response_format")
+
+
+def sampling_params(req: _Request, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1 (got {max_tokens})", param="max_tokens")
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0.0 <= temperature <= 2.0:
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= 2.0:
         raise ApiError(400, f"temperature must be in [0, 2] (got {temperature})", param="temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise ApiError(400, f"top_p must be in (0, 1] (got {top_p})", param="top_p")
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     if top_k < 0:
         raise ApiError(400, f"top_k must be -1 (off), 0 (off) or positive (got {req.top_k})", param="top_k")
+    min_p = 0.0 if req.min_p is None else req.min_p
+    if not math.isfinite(min_p) or not 0.0 <= min_p <= 1.0:
+        raise ApiError(400, f"min_p must be in [0, 1] (got {min_p})", param="min_p")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise ApiError(400, f"seed must be in [0, 2^63) (got {req.seed})", param="seed")
-    return SamplingParams(max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+    max_tokens = max_tokens or default_max_tokens
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise ApiError(400, f"min_tokens must be in [0, max_tokens={max_tokens}] (got {req.min_tokens})",
+                       param="min_tokens")
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in stop_ids):
+        raise ApiError(400, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids >= 0", param="stop_token_ids")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                          stop=stop_strings(req), stop_token_ids=list(stop_ids),
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
 
 
-def stop_strings(req: _Sampling) -> list[str]:
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}] (got {req.logprobs})", param="logprobs")
+    return req.logprobs
+
+
+def chat_logprobs(req: ChatRequest) -> int | None:
+    top = req.top_logprobs or 0
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {top})", param="top_logprobs")
+    if top and not req.logprobs:
+        raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return top if req.logprobs else None
+
+
+def stop_strings(req: _Request) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} chars",
@@ -141,7 +278,7 @@ def stop_strings(req: _Sampling) -> list[str]:
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
     """The one prompt: text or token ids (a list holding one of them is unwrapped)."""
-    _refuse(req, {"echo": False, "suffix": "", "logprobs": 0})
+    refuse_unsupported(req, REFUSED_COMPLETION)
     p = req.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
@@ -154,13 +291,12 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
     raise ApiError(400, "prompt must be a string or a non-empty list of token ids", param="prompt")
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    if req.logprobs:
-        raise ApiError(400, "logprobs is not supported by kvscope", param="logprobs")
-    if req.tools:
-        raise ApiError(400, "tools are not supported by kvscope", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "only the text response_format is supported", param="response_format")
+def chat_messages(req: ChatRequest | TokenizeRequest) -> list[dict[str, str]]:
+    if isinstance(req, ChatRequest):
+        refuse_unsupported(req, REFUSED_CHAT)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       param="continue_final_message")
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     out = []
@@ -175,38 +311,145 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
     return out
 
 
-def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """The documented join for tokenizers without a chat template: "role: content" lines, then "assistant: "."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+def plain_chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> str:
+    """The documented join for tokenizers without a chat template: "role: content" lines, then
+    "assistant: " (or, continuing the final message, that message left open)."""
+    lines = [f"{m['role']}: {m['content']}\n" for m in messages]
+    if continue_final_message:
+        return "".join(lines)[:-1]
+    return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 
 
-# ---- responses -------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def _short(v: Any, limit: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+# ---- responses ---------------------------------------------------------------------------------
+class UsageInfo(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+
+
+class CompletionResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobContent(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprobContent] | None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatStreamChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[ChatStreamChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "kvscope"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | UnsetType = UNSET
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def openai_finish_reason(engine_reason: str | None) -> str | None:
-    """Engine reasons -> OpenAI's: max_model_len is a length cut."""
+    """Engine reasons -> OpenAI's: max_model_len is a length cut; "abort" stays "abort", as vLLM reports
+    it; "error" never reaches a choice (the reply is an error instead)."""
     return {"max_model_len": "length"}.get(engine_reason, engine_reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
 
-def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
-
-
-def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason}
-
-
-def chat_delta(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def now_s() -> int:
+    return int(time.time())
