@@ -39,7 +39,7 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise KvscopeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
-            raise KvscopeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise KvscopeError(f"temperature must be >= 0 (and finite), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise KvscopeError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
