@@ -341,3 +341,61 @@ def test_server_ttft_behind_a_long_prefill_is_within_5_percent_of_the_clients():
         prefill = next(s.dur for s in live.recorder.of_type("step") if s.batch and s.batch[0].tokens == 2000)
         assert server_ttft > 0.5 * prefill  # it waited behind the prefill, and that wait is counted
         assert abs(server_ttft - client_ttft) <= 0.05 * client_ttft, (server_ttft, client_ttft)
+
+
+# ---- the command line, as the README runs it ---------------------------------------------------
+def _cli_server(args: list[str], env: dict | None = None):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvscope", "serve", "--http", f"127.0.0.1:{port}", "--no-progress", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_the_readme_curl_works_against_the_default_model():
+    """D2: without --model or --served-model-name the API's model is "tiny", everywhere."""
+    proc, url = _cli_server([])
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}  # README.md
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["tiny"]
+        assert 'model_name="tiny"' in httpx.get(url + "/metrics").text
+        assert 'model_name="None"' not in httpx.get(url + "/metrics").text
+    finally:
+        _stop(proc)
+
+
+def test_cli_several_names_and_an_api_key_from_the_environment():
+    proc, url = _cli_server(["--served-model-name", "first", "second"], env={"VLLM_API_KEY": "k3y"})
+    try:
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.completions.create(model="first", prompt="x", max_tokens=1)
+        with openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60) as good:
+            assert [m.id for m in good.models.list().data] == ["first", "second"]
+            assert good.completions.create(model="second", prompt="x", max_tokens=2).model == "second"
+    finally:
+        _stop(proc)

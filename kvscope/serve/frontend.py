@@ -83,7 +83,8 @@ class FrontEnd:
 
             info = ApiInfo(self.served_model_names, self.engine.max_model_len,
                            chat_template_of(self.engine.tokenizer), self.metrics, tokenizer=self.engine.tokenizer,
-                           api_key=self.api_key, root=self.engine.config.model)
+                           api_key=self.api_key, root=self.engine.config.model,
+                           vocab_size=self.engine.loaded.vocab_size)
             self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address)
             self.http.start()
         if self._metrics_port is not None:

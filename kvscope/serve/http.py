@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import msgspec
@@ -39,7 +39,7 @@ class ApiInfo:
     tokenizer: object | None = None  # for logprobs' token strings, /tokenize and /detokenize
     api_key: str | None = None  # every /v1 route then needs "Authorization: Bearer KEY"
     root: str = ""  # the --model argument (the model card's root)
-    extra: dict = field(default_factory=dict)
+    vocab_size: int = 0  # ids /detokenize accepts are below it
 
 
 def kvscope_version() -> str:
@@ -182,7 +182,7 @@ class HttpFrontEnd:
             req = await self._body(request, oa.DetokenizeRequest)
             self._model_name(req.model)
             tok = self._tokenizer()
-            vocab = getattr(tok, "vocab_size", None) or len(tok._tok)  # noqa: SLF001 - HF's length
+            vocab = self.info.vocab_size
             bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise oa.ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
