@@ -312,9 +312,13 @@ def test_a_request_that_fails_in_the_engine_gets_a_500_and_the_others_are_served
 
 
 # ---- honest TTFT -------------------------------------------------------------------------------
-def test_server_ttft_behind_a_long_prefill_is_within_5_percent_of_the_clients():
+def test_server_ttft_behind_a_long_prefill_counts_the_wait_the_client_saw():
     """A request that arrives while the engine is busy with a long prefill counts its TTFT from the moment the
-    server received it, not from when the engine thread got to it (that would leave out most of the prefill)."""
+    server received it, not from when the engine thread got to it (that would leave out most of the prefill).
+
+    Asserted without timing thresholds, so load cannot fail it: the server's TTFT covers the rest of the prefill
+    after the request's arrival stamp, and never exceeds what the client measured around it. (Quiet, the two
+    agree within a few percent; docs/HTTP.md.)"""
     # one torch thread: the HTTP thread keeps a core while the engine computes, as behind a real server
     config = dict(CONFIG, max_model_len=4096, max_num_batched_tokens=4096, num_blocks=512, cpu_threads=1)
     with serving(EngineConfig(**config)) as live, httpx.Client(base_url=live.base_url, timeout=180) as http:
@@ -338,9 +342,11 @@ def test_server_ttft_behind_a_long_prefill_is_within_5_percent_of_the_clients():
         assert done.wait(180)
         short = [e for e in live.recorder.of_type("request") if e.prompt_len == 5][-1]
         server_ttft = next(f.ttft for s in live.recorder.of_type("step") for f in s.first_tokens if f.req == short.req)
-        prefill = next(s.dur for s in live.recorder.of_type("step") if s.batch and s.batch[0].tokens == 2000)
-        assert server_ttft > 0.5 * prefill  # it waited behind the prefill, and that wait is counted
-        assert abs(server_ttft - client_ttft) <= 0.05 * client_ttft, (server_ttft, client_ttft)
+        prefill = next(s for s in live.recorder.of_type("step") if s.batch and s.batch[0].tokens == 2000)
+        waited = prefill.t + prefill.dur - short.arrival  # the prefill still to run when the server stamped it
+        assert waited > 0, "the short request arrived while the long prefill ran"
+        assert server_ttft >= waited, (server_ttft, waited)  # that wait is counted
+        assert server_ttft <= client_ttft, (server_ttft, client_ttft)  # and the clock started on receipt, no earlier
 
 
 # ---- the command line, as the README runs it ---------------------------------------------------
