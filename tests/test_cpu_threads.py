@@ -63,3 +63,88 @@ def test_an_explicit_thread_count_wins(restore_threads):
         assert engine.hello().config.cpu_threads == 1 == torch.get_num_threads()
     finally:
         engine.close()
+
+
+# ---- the online thread choice (kvscope/engine/cpu_threads.py) -------------------------------------------
+def _drive(tuner, seconds_per_work: dict[int, float], steps: int, work: float = 1.0) -> list[int]:
+    """Run `steps` steps whose time per unit of work depends on the thread count in use; returns the counts."""
+    used = []
+    for _ in range(steps):
+        tuner.before_step()
+        used.append(tuner.current)
+        tuner.after_step(seconds_per_work[tuner.current] * work, work)
+    return used
+
+
+def test_the_tuner_moves_to_one_thread_when_all_cores_collapse():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    applied = []
+    tuner = ThreadTuner([1, 2], applied.append, probe_steps=4, first_gap=8)
+    used = _drive(tuner, {2: 6.5, 1: 1.0}, 200)  # a competitor: two threads 6.5x slower (issue 29's figure)
+    assert tuner.best == 1 and applied[0] == 2
+    assert used[-100:].count(2) <= 4  # and it stays there while it wins: one short probe at most
+    # what the probes cost: well under 10% of the steps ran on the slow count
+    assert used.count(2) < 0.1 * len(used) + 12  # the first window and probe before the switch
+
+
+def test_the_tuner_keeps_every_core_when_they_win_and_probes_less_and_less():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    tuner = ThreadTuner([1, 2], lambda n: None, probe_steps=4, first_gap=8, max_gap=256)
+    used = _drive(tuner, {2: 1.0, 1: 1.6}, 2000)
+    assert tuner.best == 2 and tuner.switches == 0
+    assert tuner.gap == 256
+    assert used.count(1) < 0.05 * len(used)
+
+
+def test_the_tuner_follows_a_competitor_that_comes_and_goes():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    tuner = ThreadTuner([1, 2], lambda n: None, probe_steps=4, first_gap=8, max_gap=64)
+    _drive(tuner, {2: 1.0, 1: 1.6}, 300)
+    assert tuner.best == 2
+    _drive(tuner, {2: 6.5, 1: 1.1}, 300)  # the competitor starts
+    assert tuner.best == 1
+    _drive(tuner, {2: 1.0, 1: 1.6}, 300)  # and stops
+    assert tuner.best == 2 and tuner.switches == 2
+
+
+def test_steps_of_different_sizes_compare_by_their_priced_work():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    # one thread gets the big steps and two threads the small ones; per unit of work two threads are faster
+    tuner = ThreadTuner([1, 2], lambda n: None, probe_steps=4, first_gap=8)
+    for i in range(400):
+        tuner.before_step()
+        work = 10.0 if tuner.current == 1 else 1.0
+        tuner.after_step(work * (1.0 if tuner.current == 2 else 1.5), work)
+    assert tuner.best == 2
+
+
+def test_without_cpu_threads_the_engine_tunes_and_with_it_does_not(restore_threads):
+    from kvscope.engine.llm_engine import LLMEngine
+
+    auto = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64))
+    fixed = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=1))
+    try:
+        assert fixed.runner.tuner is None
+        if usable_cores() > 1:
+            assert auto.runner.tuner is not None and auto.runner.tuner.tuner.candidates == [usable_cores(), 1]
+    finally:
+        auto.close()
+        fixed.close()
+
+
+def test_idle_torch_threads_sleep_unless_the_user_chose():
+    import os
+    import subprocess
+    import sys
+
+    code = "import kvscope.engine.model_backend, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"

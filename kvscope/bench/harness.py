@@ -79,12 +79,14 @@ def warm_up(engine) -> None:
 
 
 def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
-               on_progress: Callable[[int], None] | None = None):
+               on_progress: Callable[[int], None] | None = None, before_run: Callable | None = None):
     """Serve items through one fresh engine after a warm-up; make_sink(engine), if given, builds the sink
-    attached after the warm-up; on_progress(n) is called as requests finish. Returns the engine and the
-    server (its metrics)."""
+    attached after the warm-up; before_run(engine), if given, is called then too (the roofline's step
+    recorder); on_progress(n) is called as requests finish. Returns the engine and the server (its metrics)."""
     engine = LLMEngine(config)
     warm_up(engine)
+    if before_run is not None:
+        before_run(engine)
     if make_sink is not None:
         engine.attach(make_sink(engine))
     server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress)

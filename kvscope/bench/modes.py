@@ -18,11 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvscope.bench import events, peers
+from kvscope.bench import events, peers, roofline
 from kvscope.bench.harness import bench_workload, mode_row, model_info, run_config
 from kvscope.bench.report import rows_table
 from kvscope.engine.config import MODES, EngineConfig, Mode
 from kvscope.engine.errors import KvscopeError
+from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
 
 BENCH_MAX_PROMPT_LEN = 2048  # keeps hf-static's dense padded attention inside CPU memory
 
@@ -35,6 +36,7 @@ class BenchOptions:
     peers: list[str] = field(default_factory=lambda: list(peers.PEERS))
     max_prompt_len: int = BENCH_MAX_PROMPT_LEN
     events: bool = False  # also measure the cost of publishing + recording events
+    roofline: bool = False  # measure the machine's peaks and give each row its roofline % (bench/roofline.py)
 
 
 def check_row_names(options: BenchOptions) -> None:
@@ -57,15 +59,27 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     check_row_names(options)
     items, device = bench_items(config, options)
     rows = []
+    ideal: roofline.Roofline | None = None  # once the machine is measured (after the first row)
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
-        engine, server = run_config(replace(config, mode=mode), items)
+        steps: list = []
+        engine, server = run_config(replace(config, mode=mode), items,
+                                    before_run=(lambda e: steps.append(roofline.StepShapes(e.runner)))
+                                    if options.roofline else None)
         if not rows:
+            log(f"[bench] {engine.describe_dtype()}", file=sys.stderr)
             log(f"[bench] {engine.describe_kv_cache()}", file=sys.stderr)
-        rows.append(mode_row(mode, engine, server).to_dict())
+        row = mode_row(mode, engine, server)
+        if options.roofline:
+            ideal = ideal or _measure_machine(engine, config, log)
+            row.extra.update(ideal.extra(steps[0].shapes, row.duration_s))
+        rows.append(row.to_dict())
     for peer in options.peers:
         log(f"[bench] {peer} ...", file=sys.stderr)
-        rows.append(peers.PEERS[peer](config, items).to_dict())
+        row = peers.PEERS[peer](config, items)
+        if ideal is not None:
+            row.extra.update(ideal.extra(peers.peer_step_shapes(peer, items, config), row.duration_s))
+        rows.append(row.to_dict())
     result = {
         "workload": options.workload,
         "model": config.model,
@@ -77,14 +91,29 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         "host": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         "rows": rows,
     }
+    if ideal is not None:
+        result["roofline"] = ideal.to_dict()
     if options.events:
         log("[bench] events on/off ...", file=sys.stderr)
         result["events"] = events.measure_event_overhead(replace(config, mode=Mode.CHUNKED), items)
     return result
 
 
+def _measure_machine(engine, config: EngineConfig, log) -> roofline.Roofline:
+    """The roofline's peaks, measured once, with the engine's model shape, dtype and thread count."""
+    shape = shape_of_hf_config(engine.loaded.model.config, CATALOG_DTYPES[engine.dtype], name=config.model)
+    log("[bench] measuring GEMM FLOP/s and memory bandwidth for the roofline ...", file=sys.stderr)
+    peaks = roofline.measure_peaks(shape, engine.backend.torch_dtype, config.max_num_batched_tokens)
+    log(f"[bench] {peaks.line()}", file=sys.stderr)
+    return roofline.Roofline.of(peaks, shape)
+
+
 def print_table(result: dict) -> None:
     print(rows_table(result))
+    if "roofline" in result:
+        p = result["roofline"]["peaks"]
+        print(f"roofline: GEMM {p['flops_per_s'] / 1e9:,.0f} GFLOP/s ({p['dtype']}, {p['threads']} threads), "
+              f"copy {p['bytes_per_s'] / 1e9:.1f} GB/s; {result['roofline']['formula']}")
     if "events" in result:
         print("\n" + events.summary_line(result["events"]))
 

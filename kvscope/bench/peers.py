@@ -99,3 +99,13 @@ def hf_generate_batch(config: EngineConfig, items) -> Row:
 
 
 PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch}
+
+
+def peer_step_shapes(peer: str, items, config: EngineConfig):
+    """A peer's steps for the roofline, where its schedule is known from the outside; None where not
+    (generate_batch's scheduler decides its own batches; llama.cpp's 4-bit weights are not this model's bytes)."""
+    from kvscope.bench import roofline
+
+    if peer == "hf-static":
+        return roofline.hf_static_shapes(items, config.max_num_seqs)
+    return None

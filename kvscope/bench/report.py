@@ -43,6 +43,10 @@ def rows_table(result: dict[str, Any]) -> str:
     rows = [(r["name"], f"{r['output_tok_per_s']:.1f}", ms(r["ttft_mean_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p99_s"]),
              str(r["preemptions"]) if r["preemptions"] is not None else "-", pct(r["kv_waste"]))
             for r in result["rows"]]
+    if any("roofline_pct" in r for r in result["rows"]):  # `kvscope bench --roofline`
+        header += ("roofline",)
+        rows = [(*row, "-" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.1f}%")
+                for row, r in zip(rows, result["rows"])]
     return heading + "\n" + text_table(header, rows)
 
 

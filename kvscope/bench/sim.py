@@ -42,22 +42,31 @@ def sim_row(name: str, engine, server, wall: float) -> Row:
                     num_blocks=engine.num_blocks, sim_wall_s=wall, sim_steps_per_s=steps / wall if wall else None)
 
 
-def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print) -> list[dict]:
+def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roofline: bool = False) -> list[dict]:
+    """The modes' rows; with roofline, each also gets its roofline % from the sim's own cost model: its
+    steps priced at the catalog GPU's peaks at 100% efficiency, over the virtual time they took."""
+    from kvscope.bench.roofline import Roofline, StepShapes
+
     rows = []
     for mode in modes:
         log(f"[bench sim] {mode} ...", file=sys.stderr)
         wall = time.perf_counter()
-        engine, server = run_config(replace(config, mode=mode), items)
-        rows.append(sim_row(mode, engine, server, time.perf_counter() - wall).to_dict())
+        steps: list[StepShapes] = []
+        engine, server = run_config(replace(config, mode=mode), items,
+                                    before_run=(lambda e: steps.append(StepShapes(e.runner))) if roofline else None)
+        row = sim_row(mode, engine, server, time.perf_counter() - wall)
+        if roofline:
+            row.extra.update(Roofline.of_sim(engine.backend.cost).extra(steps[0].shapes, row.duration_s))
+        rows.append(row.to_dict())
     return rows
 
 
 def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None, modes: list[str] | None = None,
-                  max_prompt_len: int | None = None, log=print) -> dict:
+                  max_prompt_len: int | None = None, log=print, roofline: bool = False) -> dict:
     modes = modes or list(MODES)
     items = sim_workload(config, spec, num_requests, max_prompt_len)
     wall = time.perf_counter()
-    rows = run_sim_modes(config, items, modes, log)
+    rows = run_sim_modes(config, items, modes, log, roofline=roofline)
     wall = time.perf_counter() - wall
     hello = LLMEngine(config).hello().config.as_dict()
     steps = sum(r["steps"] for r in rows)

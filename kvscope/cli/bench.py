@@ -24,6 +24,8 @@ class Bench(Command):
         p.add_argument("--peers", type=comma_list(), default=["hf-static", "hf-generate-batch"],
                        help="comma list of hf-static, hf-generate-batch; empty for none (default: both)")
         p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
+        p.add_argument("--roofline", action="store_true", help="measure this machine's GEMM FLOP/s and bandwidth "
+                       "and give each row its roofline %% (README, Real size on a CPU)")
         p.add_argument("--host-overhead", action="store_true",
                        help="host time per step at 64, 256 and 1,024 running, with no compute")
         p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation, or a .json file")
@@ -60,13 +62,14 @@ class Bench(Command):
                 result = sim_bench.run_preset(args.preset, explicit_sim_overrides(args))
             else:
                 result = sim_bench.run_sim_bench(engine_config(args), load_spec(args.workload),
-                                                 num_requests=args.num_requests, modes=list(args.modes))
+                                                 num_requests=args.num_requests, modes=list(args.modes),
+                                                 roofline=args.roofline)
             sim_bench.print_result(result)
         else:
             from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
             options = BenchOptions(workload=args.workload, num_requests=args.num_requests, modes=args.modes,
-                                   peers=args.peers, events=args.events_overhead)
+                                   peers=args.peers, events=args.events_overhead, roofline=args.roofline)
             result = run_bench(engine_config(args), options)
             print_table(result)
         if args.json:

@@ -2,7 +2,7 @@
 virtual clock. LLMEngine talks only to this interface and never asks which backend it has.
 
 A backend is made once per engine and provides, in the order the engine asks:
-- `device`, `dtype` (strings, as they appear in `hello`) and `model` (ModelInfo);
+- `device`, `dtype` (strings, as they appear in `hello`), `dtype_reason` and `model` (ModelInfo);
 - KV sizing: `kv_block_bytes(block_size)`, `kv_budget()` (when num_blocks is not given) and
   `check_kv_fits(nbytes)` (when it is);
 - `make_runner(num_blocks, max_model_len)`: computes a SchedulerOutput into sampled tokens;
@@ -62,6 +62,7 @@ class Backend(Protocol):
     name: str  # one of config.BACKENDS
     device: str  # "cpu", "cuda:0", "sim:h100-sxm5x2"
     dtype: str  # the weights' dtype: "float32", "bfloat16", ... or the sim model's "fp8", "bf16"
+    dtype_reason: str  # why that dtype (start-up's line), e.g. what --dtype auto found on the CPU
     model: ModelInfo
 
     def kv_block_bytes(self, block_size: int) -> float: ...

@@ -45,7 +45,8 @@ class EngineConfig:
     model: str = setting("tiny", "tiny, qwen3-0.6b-shape, or a local checkpoint directory; "
                                  "with --backend sim a catalog shape, e.g. llama-3.3-70b-fp8")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = setting("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+    dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA and on a CPU with AMX or "
+                         "avx512_bf16, else float32)",
                          choices=DTYPES)
     backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
                            choices=BACKENDS, group="sim")

@@ -111,6 +111,10 @@ class LLMEngine:
         ordered = {k: config[k] for k in EngineInfo.__struct_fields__ if k in config}
         return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)
 
+    def describe_dtype(self) -> str:
+        """One line for start-up: the dtype the weights run in, and why (what --dtype auto found)."""
+        return f"dtype {self.dtype} on {self.device} ({self.backend.dtype_reason})"
+
     def describe_kv_cache(self) -> str:
         """One line for start-up: the KV cache's size and how it was chosen."""
         return (f"KV cache {self.kv_cache_bytes / GiB:.2f} GiB on {self.device}: {self.num_blocks} blocks of "

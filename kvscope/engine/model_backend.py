@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from kvscope.engine.cpu_threads import prefer_passive_wait
+
+prefer_passive_wait()  # idle OpenMP threads sleep: must be decided before torch loads libgomp
+
+import torch  # noqa: E402
 
 from kvscope.engine import kv_sizing
 from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
+from kvscope.engine.cpu_dtype import auto_cpu_dtype
+from kvscope.engine.cpu_threads import StepTuner, ThreadTuner, cost_model_price, thread_candidates
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.models import LoadedModel, load_model
@@ -28,16 +34,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The torch dtype for --dtype NAME on device, and why (the start-up line's words)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16, "auto: bfloat16 on CUDA"
+        choice = auto_cpu_dtype()
+        return DTYPES[choice.name], choice.reason
     if name not in DTYPES:
         raise KvscopeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
-    return DTYPES[name]
+    return DTYPES[name], "as asked"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    return choose_dtype(name, device)[0]
 
 
 def default_cpu_threads(cores: int | None = None) -> int:
-    """torch threads when --cpu-threads is left out: every core.
+    """torch threads when --cpu-threads is left out: every core to start with (the runner's ThreadTuner,
+    kvscope/engine/cpu_threads.py, then moves between one and every core as measured step times say).
 
     Measured on 2 cores with bench/thread_sweep.py (bench/results/threads-cpu.json): the
     second thread pays for the tiny model at full batch (serve 1.20x, bench 1.05x) and for
@@ -54,15 +69,18 @@ class ModelBackend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.torch_device = resolve_device(config.device)
-        self.torch_dtype = resolve_dtype(config.dtype, self.torch_device)
+        self.torch_dtype, self.dtype_reason = choose_dtype(config.dtype, self.torch_device)
         self.device = str(self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.on_cuda = self.torch_device.type == "cuda"
         self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
         self.cpu_threads: int | None = None
+        self.thread_tuner: ThreadTuner | None = None  # without --cpu-threads on CPU: chosen online
         if not self.on_cuda:
             self.cpu_threads = config.cpu_threads or default_cpu_threads()
             torch.set_num_threads(self.cpu_threads)
+            if config.cpu_threads is None and len(thread_candidates(self.cpu_threads)) > 1:
+                self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads)
 
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model
@@ -100,6 +118,8 @@ class ModelBackend:
                              seed=c.seed)
         if self.on_cuda and not c.enforce_eager:
             runner.capture_cuda_graphs(c.effective_max_num_seqs, max_model_len)
+        if self.thread_tuner is not None:
+            runner.tuner = StepTuner(self.thread_tuner, cost_model_price(self.model.model.config, self.dtype))
         return runner
 
     def make_swapper(self, runner: ModelRunner, num_cpu_blocks: int) -> KvSwapper:

@@ -12,6 +12,7 @@ import torch
 
 from kvscope.engine import attention
 from kvscope.engine.block_manager import blocks_needed
+from kvscope.engine.cpu_threads import StepTuner
 from kvscope.engine.inputs import InputBuilder
 from kvscope.engine.kv_sizing import zeroed_cpu_tensor
 from kvscope.engine.models import LoadedModel
@@ -43,6 +44,7 @@ class ModelRunner:
         # of the last run(): the logprobs asked for, and the rows that could not be sampled
         self.logprobs: dict[int, TokenLogprobs] = {}
         self.failures: dict[int, str] = {}
+        self.tuner: StepTuner | None = None  # CPU without --cpu-threads: picks the thread count per step
         attention.install(self.model)
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -69,6 +71,12 @@ class ModelRunner:
         self.logprobs, self.failures = {}, {}
         if out.is_empty:
             return {}
+        if self.tuner is not None:
+            with self.tuner.step(out):
+                return self._run(out, params)
+        return self._run(out, params)
+
+    def _run(self, out: SchedulerOutput, params: dict[int, SamplingParams]) -> dict[int, int]:
         if self.graphs is not None and self.graphs.can_run(out):
             logits = self.graphs.run(out)  # a decode-only step: replay the captured forward
         else:

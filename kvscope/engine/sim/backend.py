@@ -75,6 +75,7 @@ class SimBackend:
         )
         self.device = f"sim:{self.gpu.name}" + (f"x{config.tp}" if config.tp > 1 else "")
         self.dtype = m.weight_dtype
+        self.dtype_reason = "the sim model's weights"
 
     def kv_block_bytes(self, block_size: int) -> float:
         return self.cost.kv_bytes_per_token * block_size  # per GPU: a fraction of a byte is possible under tp

@@ -18,6 +18,7 @@ TB = 1e12
 TFLOPS = 1e12
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+CATALOG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's names -> these
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,18 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         "only: `kvscope calibrate` on a CPU trace replaces the efficiencies and overhead",
         host_bw=20 * GB, note="the device of the CPU-recorded traces (traces/demo-cpu.kvtrace)"),
 )}
+
+
+def shape_of_hf_config(hf_config, weight_dtype: str, name: str = "model") -> ModelShape:
+    """The cost model's view of a loaded transformers config (Llama / Qwen / Mistral families)."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelShape(name=name, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                      num_heads=heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+                      head_dim=head_dim, intermediate_size=hf_config.intermediate_size,
+                      vocab_size=hf_config.vocab_size, max_position_embeddings=hf_config.max_position_embeddings,
+                      tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                      weight_dtype=weight_dtype, params=None, source="the engine's loaded model")
 
 
 def _builtin(name: str, shape: dict, source: str) -> ModelShape:
