@@ -58,7 +58,8 @@ class Live:
 @contextlib.contextmanager
 def serving(config: EngineConfig | None = None, *, forever_workload: str | None = None, max_waiting=None,
             served_model_name: str | list[str] | None = "tiny", api_key: str | None = None):
-    engine = LLMEngine(config or EngineConfig(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512))
+    engine = LLMEngine(config or EngineConfig(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512,
+                                              dtype="float32"))
     front = FrontEnd(engine, http="127.0.0.1:0", metrics_port=None, served_model_name=served_model_name,
                      allow_remote=False, max_waiting=max_waiting, api_key=api_key)
     recorder = Recorder()

@@ -36,7 +36,7 @@ CONDITIONS = {
 
 
 def run(model_arg, mode, settings, prompts, params, recorder):
-    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", **settings)
+    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", dtype="float32", **settings)
     outs = llm.generate(prompts, params)
     bm = llm.engine.block_manager
     bm.check_invariants()
@@ -115,7 +115,7 @@ def test_eos_stops_like_transformers(models, recorder, mode, settings):
 @pytest.mark.parametrize("mode", MODES)
 def test_tiny_with_eos_enabled_and_text_prompts(tiny_ref, mode):
     """Text prompts through the byte tokenizer, eos honoured, same answers as transformers."""
-    llm = LLM("tiny", mode=mode, device="cpu", num_blocks=32)
+    llm = LLM("tiny", mode=mode, device="cpu", dtype="float32", num_blocks=32)
     texts = ["hello", "the quick brown fox", "kv cache blocks of sixteen tokens each, paged"]
     outs = llm.generate(texts, SamplingParams(max_tokens=MAX_TOKENS))
     for text, out in zip(texts, outs):
@@ -128,7 +128,7 @@ def test_tiny_with_eos_enabled_and_text_prompts(tiny_ref, mode):
 
 
 def test_prompt_one_short_of_max_model_len_gets_one_token(tiny_ref):
-    llm = LLM("tiny", mode="chunked", device="cpu", num_blocks=8, max_model_len=40)
+    llm = LLM("tiny", mode="chunked", device="cpu", dtype="float32", num_blocks=8, max_model_len=40)
     prompt = token_prompts([39], 256, seed=5)[0]
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
     assert out.finish_reason == "max_model_len"
@@ -136,7 +136,7 @@ def test_prompt_one_short_of_max_model_len_gets_one_token(tiny_ref):
 
 
 def test_max_model_len_is_capped_by_kv_capacity():
-    llm = LLM("tiny", mode="continuous", device="cpu", num_blocks=3, block_size=16)
+    llm = LLM("tiny", mode="continuous", device="cpu", dtype="float32", num_blocks=3, block_size=16)
     assert llm.engine.max_model_len == 48
     (out,) = llm.generate([list(range(40))], SamplingParams(max_tokens=30, ignore_eos=True))
     assert out.finish_reason == "max_model_len" and len(out.token_ids) == 8

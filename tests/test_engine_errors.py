@@ -55,13 +55,13 @@ def test_bad_settings(settings, match):
 
 def test_unknown_model_name():
     with pytest.raises(KvscopeError) as excinfo:
-        LLM("no-such-model-anywhere", device="cpu")
+        LLM("no-such-model-anywhere", device="cpu", dtype="float32")
     assert "neither a built-in model" in one_line_error(excinfo)
 
 
 def test_model_dir_without_config(tmp_path):
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert "has no config.json" in one_line_error(excinfo)
 
 
@@ -73,21 +73,21 @@ def test_model_dir_without_config(tmp_path):
 def test_unsupported_architecture(tmp_path, config, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert match in one_line_error(excinfo)
 
 
 def test_unreadable_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert "cannot read" in one_line_error(excinfo)
 
 
 def test_checkpoint_without_weights(tmp_path, llama_dir):
     (tmp_path / "config.json").write_text((open(f"{llama_dir}/config.json")).read())
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert "cannot load checkpoint" in one_line_error(excinfo)
 
 
@@ -95,7 +95,7 @@ def test_checkpoint_with_corrupt_weights(tmp_path, llama_dir):
     (tmp_path / "config.json").write_text((open(f"{llama_dir}/config.json")).read())
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert "cannot load checkpoint" in one_line_error(excinfo)
 
 
@@ -105,7 +105,7 @@ def test_checkpoint_whose_weights_do_not_match_its_config(tmp_path, llama_dir):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(open(f"{llama_dir}/model.safetensors", "rb").read())
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert "cannot load checkpoint" in one_line_error(excinfo)
 
 
@@ -118,7 +118,7 @@ def test_checkpoint_missing_a_tensor_is_refused_not_filled_with_random_weights(t
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(open(f"{llama_dir}/config.json").read())
     with pytest.raises(KvscopeError) as excinfo:
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", dtype="float32")
     assert dropped in one_line_error(excinfo)
 
 
@@ -126,7 +126,7 @@ def test_checkpoint_missing_a_tensor_is_refused_not_filled_with_random_weights(t
 
 
 def test_engine_add_request_rejects_and_publishes(recorder):
-    llm = LLM("tiny", device="cpu", num_blocks=4, block_size=16, sink=recorder)
+    llm = LLM("tiny", device="cpu", dtype="float32", num_blocks=4, block_size=16, sink=recorder)
     engine = llm.engine
     with pytest.raises(RequestRejected) as excinfo:
         engine.add_request([1] * 100, SamplingParams(max_tokens=4))
@@ -144,7 +144,7 @@ def test_engine_add_request_rejects_and_publishes(recorder):
 @pytest.mark.parametrize("mode", MODES)
 def test_mixed_good_and_bad_prompts(tiny_ref, mode):
     # 4 blocks of 16: the KV cache holds 64 tokens; max_model_len 48 is below that.
-    llm = LLM("tiny", mode=mode, device="cpu", num_blocks=4, block_size=16, max_model_len=48)
+    llm = LLM("tiny", mode=mode, device="cpu", dtype="float32", num_blocks=4, block_size=16, max_model_len=48)
     good = token_prompts([5, 17, 30], 256, seed=3)
     ok = SamplingParams(max_tokens=12, ignore_eos=True)
     cases = [
@@ -180,7 +180,7 @@ def test_mixed_good_and_bad_prompts(tiny_ref, mode):
 
 def test_text_prompt_for_a_model_without_tokenizer(models):
     model_arg, ref, vocab = models["llama"]
-    llm = LLM(model_arg, device="cpu", num_blocks=16)
+    llm = LLM(model_arg, device="cpu", dtype="float32", num_blocks=16)
     assert llm.tokenizer is None
     prompt = token_prompts([9], vocab, seed=2)[0]
     bad_token, text, good = llm.generate([[vocab], "hello", prompt], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -61,7 +61,7 @@ def test_prefix_caching_matches_transformers(models, recorder, model_name, mode)
     model_arg, ref, vocab = models[model_name]
     prompts = shared_prefix_prompts(vocab)
     expected = ref.greedy_all(prompts, MAX_TOKENS)
-    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", num_blocks=40, prefix_caching=True,
+    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", dtype="float32", num_blocks=40, prefix_caching=True,
               max_num_batched_tokens=48)
     # the first prompt warms the cache; the rest are admitted together and share with each other too
     outs = llm.generate(prompts[:1], PARAMS) + llm.generate(prompts[1:], PARAMS)
@@ -90,7 +90,7 @@ def test_swap_preemption_matches_transformers(models, recorder, mode, prefix_cac
     if prefix_caching:
         prompts += [prompts[1][:40] + prompts[0][:9], list(prompts[4])]
     expected = ref.greedy_all(prompts, MAX_TOKENS + 8)
-    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", num_blocks=10, preemption="swap",
+    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", dtype="float32", num_blocks=10, preemption="swap",
               swap_space=0.05, prefix_caching=prefix_caching, max_num_batched_tokens=32)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS + 8, ignore_eos=True))
     for i, (out, exp) in enumerate(zip(outs, expected)):
@@ -110,7 +110,7 @@ def test_swap_pool_too_small_falls_back_to_recompute(models, recorder):
     model_arg, ref, vocab = models["tiny"]
     prompts = token_prompts([30, 45, 20, 38, 50, 27], vocab, seed=6)
     expected = ref.greedy_all(prompts, MAX_TOKENS)
-    llm = LLM(model_arg, sink=recorder, mode="chunked", device="cpu", num_blocks=10, preemption="swap",
+    llm = LLM(model_arg, sink=recorder, mode="chunked", device="cpu", dtype="float32", num_blocks=10, preemption="swap",
               swap_space=0.0)
     outs = llm.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == expected
@@ -128,7 +128,7 @@ def test_policies_match_transformers(models, recorder, policy, mode):
     prompts = token_prompts(lengths, vocab, seed=8)
     expected = ref.greedy_all(prompts, MAX_TOKENS)
     priority = [0, 0, 1, 0, 2, 0, 2, 1]
-    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", num_blocks=12, policy=policy,
+    llm = LLM(model_arg, sink=recorder, mode=mode, device="cpu", dtype="float32", num_blocks=12, policy=policy,
               max_num_batched_tokens=48, max_num_seqs=3)
     # arrivals spread over steps so that later, higher-priority requests meet running ones
     engine = llm.engine
@@ -183,7 +183,7 @@ def test_user_policy_from_module_path(models, recorder, monkeypatch):
     expected = ref.greedy_all(prompts, MAX_TOKENS)
     for cls in ("LongestFirst", "DuckPolicy"):
         recorder.events.clear()
-        llm = LLM(model_arg, sink=recorder, device="cpu", num_blocks=40, max_num_seqs=1,
+        llm = LLM(model_arg, sink=recorder, device="cpu", dtype="float32", num_blocks=40, max_num_seqs=1,
                   policy=f"{mod.__name__}:{cls}")
         outs = llm.generate(prompts, PARAMS)
         assert [o.token_ids for o in outs] == expected
@@ -194,7 +194,7 @@ def test_user_policy_from_module_path(models, recorder, monkeypatch):
     bad = types.ModuleType("kvscope_test_bad_policy")
     bad.Lying = type("Lying", (Policy,), {"order": lambda self, w, s: list(w)[:1]})
     monkeypatch.setitem(sys.modules, bad.__name__, bad)
-    llm = LLM(model_arg, device="cpu", num_blocks=40, max_num_seqs=1, policy=f"{bad.__name__}:Lying")
+    llm = LLM(model_arg, device="cpu", dtype="float32", num_blocks=40, max_num_seqs=1, policy=f"{bad.__name__}:Lying")
     with pytest.raises(KvscopeError, match="order\\(\\) must return the same requests"):
         llm.generate(prompts, PARAMS)
 
@@ -209,7 +209,7 @@ def test_dashboard_from_deltas_equals_snapshots(models, recorder, policy):
 
     model_arg, _, vocab = models["tiny"]
     prompts = shared_prefix_prompts(vocab, seed=4) + token_prompts([30, 45, 20, 38], vocab, seed=2)
-    engine = LLMEngine(EngineConfig(model=model_arg, device="cpu", num_blocks=14, prefix_caching=True,
+    engine = LLMEngine(EngineConfig(model=model_arg, device="cpu", dtype="float32", num_blocks=14, prefix_caching=True,
                                     preemption="swap", swap_space=0.01, policy=policy,
                                     max_num_batched_tokens=40),
                        sink=recorder, snapshot_every=3, snapshot_interval_s=1e9)

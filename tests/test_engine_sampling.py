@@ -19,7 +19,7 @@ def prompts():
 
 
 def sample(mode, prompts, params, **settings):
-    llm = LLM("tiny", mode=mode, device="cpu", **settings)
+    llm = LLM("tiny", mode=mode, device="cpu", dtype="float32", **settings)
     outs = llm.generate(prompts, params)
     assert all(o.error is None for o in outs)
     return [o.token_ids for o in outs], llm

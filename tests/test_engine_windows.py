@@ -57,7 +57,7 @@ def test_windowed_greedy_matches_transformers(windowed_models, name, condition):
     path, ref = windowed_models[name]
     prompts = window_prompts(WINDOWS[name])
     expected = ref.greedy_all(prompts, MAX_TOKENS)
-    llm = LLM(path, device="cpu", **CONDITIONS[condition])
+    llm = LLM(path, device="cpu", dtype="float32", **CONDITIONS[condition])
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     for i, (out, exp) in enumerate(zip(outs, expected)):
         assert out.token_ids == exp, f"prompt {i} (len {len(prompts[i])}) diverged from transformers"
@@ -122,8 +122,8 @@ def test_long_windowed_generation_holds_window_plus_one_block(windowed_models, n
     prompts = token_prompts([30, 5, 60], 300, seed=3)
     expected = ref.greedy_all(prompts, 100)
     sink = CheckingSink()
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", mode="chunked", num_blocks=64, block_size=16,
-                                    max_num_batched_tokens=32), snapshot_every=9)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", mode="chunked", num_blocks=64,
+                                    block_size=16, max_num_batched_tokens=32), snapshot_every=9)
     uniform = engine.loaded.attention.uniform_window
     bound = BoundChecker(engine, blocks_needed(window, 16) + 1 if uniform else None)
     publish = sink.publish
@@ -155,8 +155,8 @@ def test_prefix_cache_keeps_blocks_outside_the_window_cached(windowed_models):
     the same prefix hits them, takes only the hit blocks inside its own window, and still matches."""
     path, ref = windowed_models["mistral-w24"]
     prompt = token_prompts([64], 300, seed=21)[0]
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", mode="chunked", num_blocks=40, block_size=16,
-                                    prefix_caching=True, max_num_batched_tokens=64))
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", mode="chunked", num_blocks=40,
+                                    block_size=16, prefix_caching=True, max_num_batched_tokens=64))
     bm = engine.block_manager
     first = engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the whole prompt: positions 0..63 computed, the window now starts at 41
@@ -181,8 +181,8 @@ def test_prefix_hit_needs_only_the_blocks_inside_the_window(windowed_models):
     request with that prefix still hits, because it needs only the cached blocks in its window."""
     path, ref = windowed_models["mistral-w24"]
     prompt = token_prompts([64], 300, seed=31)[0]
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", mode="chunked", num_blocks=8, block_size=16,
-                                    prefix_caching=True, max_num_batched_tokens=96))
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", mode="chunked", num_blocks=8,
+                                    block_size=16, prefix_caching=True, max_num_batched_tokens=96))
     bm = engine.block_manager
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request(prompt, params)
@@ -212,8 +212,8 @@ def test_swapped_request_comes_back_with_its_window_only(windowed_models):
     """Swap-out keeps only the blocks in the window; swap-in takes fresh blocks for them alone."""
     path, ref = windowed_models["mistral-w24"]
     prompts = token_prompts([50, 45, 40], 300, seed=8)
-    llm = LLM(path, device="cpu", mode="chunked", num_blocks=7, max_num_batched_tokens=16, preemption="swap",
-              swap_space=0.01)
+    llm = LLM(path, device="cpu", dtype="float32", mode="chunked", num_blocks=7, max_num_batched_tokens=16,
+              preemption="swap", swap_space=0.01)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 40)
     pool = llm.engine.scheduler.swap_pool
@@ -259,7 +259,7 @@ def test_unimplemented_attention_features_are_refused_in_one_line(tmp_path, case
     name, edit, field = REFUSALS[case]
     path = _edited(tmp_path, name, edit)
     with pytest.raises(KvscopeError) as err:
-        LLM(path, device="cpu", num_blocks=8)
+        LLM(path, device="cpu", dtype="float32", num_blocks=8)
     message = str(err.value)
     assert field in message and "\n" not in message, message
 
@@ -273,7 +273,7 @@ def test_llama_with_a_window_field_is_refused(tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with pytest.raises(KvscopeError, match="sliding_window"):
-        LLM(path, device="cpu", num_blocks=8)
+        LLM(path, device="cpu", dtype="float32", num_blocks=8)
 
 
 def test_attention_sink_weights_are_refused(tmp_path):
@@ -286,14 +286,14 @@ def test_attention_sink_weights_are_refused(tmp_path):
     weights["model.layers.0.self_attn.sinks"] = torch.zeros(4)
     save_file(weights, weights_file, metadata={"format": "pt"})
     with pytest.raises(KvscopeError, match="sink"):
-        LLM(path, device="cpu", num_blocks=8)
+        LLM(path, device="cpu", dtype="float32", num_blocks=8)
 
 
 def test_window_wider_than_every_context_equals_full_attention(tmp_path):
     """A Mistral whose window is never reached runs unchanged (and frees nothing)."""
     path = save_checkpoint(tmp_path / "wide", "MistralConfig", "MistralForCausalLM", sliding_window=4096)
     prompts = token_prompts([10, 40], 300, seed=2)
-    llm = LLM(path, device="cpu", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
+    llm = LLM(path, device="cpu", dtype="float32", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     from transformers import AutoModelForCausalLM
 
@@ -308,7 +308,7 @@ def test_mistral_listing_layer_types_that_agree_runs(tmp_path):
 
     path = _edited(tmp_path, "mistral-w24", {"layer_types": ["sliding_attention"] * 2})
     prompts = token_prompts([40], 300, seed=6)
-    llm = LLM(path, device="cpu", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
+    llm = LLM(path, device="cpu", dtype="float32", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
     assert llm.engine.loaded.attention.layer_windows == (24, 24)
     ref = HFReference(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval())
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))

@@ -27,7 +27,7 @@ TRITON_OPS = AttentionOps("triton", triton_attention.write_kv, triton_attention.
 
 
 def triton_llm(**settings) -> LLM:
-    llm = LLM("tiny", device="cpu", **settings)
+    llm = LLM("tiny", device="cpu", dtype="float32", **settings)
     llm.engine.runner.ops = TRITON_OPS
     return llm
 
@@ -45,7 +45,7 @@ def test_windowed_checkpoints_on_triton_kernels_match_transformers(windowed_mode
     decodes cross it, and (Mistral) blocks outside it are freed and never read."""
     path, ref = windowed_models[name]
     prompts = token_prompts([30, 19], 300, seed=4)
-    llm = LLM(path, device="cpu", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
+    llm = LLM(path, device="cpu", dtype="float32", mode="chunked", num_blocks=16, max_num_batched_tokens=16)
     llm.engine.runner.ops = TRITON_OPS
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 8)
@@ -57,7 +57,7 @@ def test_selection_triton_on_cuda_references_elsewhere():
     assert select_attention_ops("cpu").paged_attention is reference.paged_attention
     cuda = select_attention_ops("cuda")
     assert cuda.name == "triton" and cuda.write_kv is triton_attention.write_kv
-    assert LLM("tiny", device="cpu", num_blocks=8).engine.runner.ops.name == "torch-reference"
+    assert LLM("tiny", device="cpu", dtype="float32", num_blocks=8).engine.runner.ops.name == "torch-reference"
 
 
 def test_capture_sizes():

@@ -16,7 +16,8 @@ from kvscope.engine.detokenizer import detokenize
 from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 from tests._serve import serving
 
-CONFIG = dict(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)
+CONFIG = dict(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512,
+              dtype="float32")  # token-exact against the engine's own greedy run: bf16 packing could tie-break
 
 
 @pytest.fixture(scope="module")

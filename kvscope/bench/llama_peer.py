@@ -1,0 +1,96 @@
+"""llama.cpp as a peer (`kvscope bench --peers llama-cpp`): the same requests through llama-cpp-python on
+the same GGUF file, at the same thread count, served the way its Python API serves them: one at a time.
+
+It is an optional extra (`pip install 'kvscope[llama]'`), not a dependency; the wheel builds from source.
+On this project's x86 CPUs the build that runs is (a -DGGML_NATIVE=ON build crashed with a segfault):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" pip install llama-cpp-python
+
+Greedy (top_k=1), EOS ignored so every request runs to its max_tokens, as kvscope's rows do. TTFT is
+from the start of the run (every request arrives at t=0, so it includes the queue, as kvscope's TTFT
+does); ITL is the gap between a request's successive tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvscope.bench.harness import Row
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.errors import KvscopeError
+
+INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" pip install llama-cpp-python '
+           "(about 4 minutes of 2 cores)")
+NAME = "llama-cpp"
+
+
+def gguf_path(config: EngineConfig) -> str:
+    """The GGUF file both engines load: --model when it is one (or a named model's cached GGUF)."""
+    path = config.model
+    if not path.endswith(".gguf"):
+        resolved = _named_gguf(path)
+        if resolved is None:
+            raise KvscopeError(f"peer {NAME} runs a GGUF file: pass --model PATH.gguf (kvscope loads the same file), "
+                               f"not {path!r}")
+        path = resolved
+    if not os.path.isfile(path):
+        raise KvscopeError(f"peer {NAME}: no GGUF file at {path}")
+    return path
+
+
+def _named_gguf(name: str) -> str | None:
+    """A named real model's GGUF (e.g. smollm2-135m), where this kvscope knows named models."""
+    try:
+        from kvscope.engine import named_models  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    resolve = getattr(named_models, "gguf_file", None)
+    return resolve(name) if resolve else None
+
+
+def load_llama(path: str, threads: int, n_ctx: int):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise KvscopeError(f"peer {NAME} needs llama-cpp-python: {INSTALL}") from None
+    return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                 verbose=False, seed=0)
+
+
+def check_available() -> None:
+    """Before minutes are spent on the other rows."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise KvscopeError(f"peer {NAME} needs llama-cpp-python: {INSTALL}") from None
+
+
+def llama_cpp_row(config: EngineConfig, items, threads: int) -> Row:
+    """One request at a time through Llama.generate (its Python API has one sequence)."""
+    path = gguf_path(config)
+    n_ctx = max(len(it.prompt) + it.max_tokens for it in items) + 8
+    llm = load_llama(path, threads, n_ctx)
+    _serve_one(llm, [1, 2, 3], 2)  # warm-up, as kvscope's rows get one
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    for it in items:
+        times = _serve_one(llm, it.prompt, it.max_tokens)
+        ttft.append(times[0] - start)
+        itl.extend(b - a for a, b in zip(times, times[1:]))
+        tokens += len(times)
+    span = time.perf_counter() - start
+    return Row.from_samples(NAME, ttft, itl, tokens, span, threads=threads, gguf=os.path.basename(path))
+
+
+def _serve_one(llm, prompt: list[int], max_tokens: int) -> list[float]:
+    """Greedy tokens for one prompt, EOS ignored; the time each token came out."""
+    llm.reset()  # no prefix reuse from the previous request: every request computes its whole prompt
+    times = []
+    for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) >= max_tokens:
+            break
+    return times
