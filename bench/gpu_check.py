@@ -235,8 +235,10 @@ class Check:
     def e2e(self, args) -> None:
         from dataclasses import replace
 
+        from kvscope.bench import roofline
         from kvscope.bench.harness import mode_row, warm_up
         from kvscope.bench.peers import PEERS
+        from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
         from kvscope.engine.config import EngineConfig
         from kvscope.engine.llm_engine import LLMEngine
         from kvscope.serve.driver import ServeOptions, Server
@@ -264,6 +266,7 @@ class Check:
             log(f"  chunked: engine ready in {time.perf_counter() - t0:.1f}s ({engine.num_blocks} KV blocks, "
                 f"attention {engine.runner.ops.name}, cuda graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'})")
             warm_up(engine)
+            steps = roofline.StepShapes(engine.runner)
             trace_dir = self.out_dir if self.dry else args.trace_dir
             os.makedirs(trace_dir, exist_ok=True)
             trace_path = os.path.join(trace_dir, "gpu-h200-chunked.kvtrace" if "H200" in str(self.result["gpu"])
@@ -276,7 +279,15 @@ class Check:
             writer.close()
             row = mode_row("chunked", engine, server, num_blocks=engine.num_blocks,
                            cuda_graphs=getattr(engine.runner, "graphs", None) is not None,
-                           attention=engine.runner.ops.name).to_dict()
+                           attention=engine.runner.ops.name)
+            # the roofline of the same steps at this device's measured GEMM rate and copy bandwidth
+            shape = shape_of_hf_config(engine.loaded.model.config, CATALOG_DTYPES[engine.dtype], name=model)
+            peaks = roofline.measure_peaks(shape, engine.backend.torch_dtype, config.max_num_batched_tokens,
+                                           device=engine.device)
+            row.extra.update(roofline.Roofline.of(peaks, shape).extra(steps.shapes, row.duration_s))
+            self.result["roofline"] = {"peaks": peaks.to_dict(), "formula": roofline.FORMULA}
+            log(f"  chunked: {peaks.line()}; roofline {row.extra['roofline_pct']:.1f}% of the run")
+            row = row.to_dict()
             rows.append(row)
             self.result["trace"] = {"path": trace_path, "bytes": os.path.getsize(trace_path)}
             log(f"  chunked: {row['output_tok_per_s']:.1f} output tok/s, {row['steps']} steps; "

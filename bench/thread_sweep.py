@@ -1,7 +1,13 @@
 """Output tok/s against --cpu-threads, per command, on this machine: how kvscope's CPU defaults were chosen.
 
     python bench/thread_sweep.py [--threads 1,2] [--rounds 2] [--rows serve,bench] [--json FILE]
+    python bench/thread_sweep.py --competitor [--threads 1,2,auto] [--rows serve-mixed] [--json FILE]
     python bench/thread_sweep.py --report bench/results/threads-cpu.json
+
+--threads takes counts and `auto` (no --cpu-threads: the runner picks online, kvscope/engine/cpu_threads.py).
+--competitor runs every row twice per round, quiet and beside one CPU-bound busy-loop process, interleaved
+(quiet t=1, loaded t=1, quiet t=2, loaded t=2, ... in one run), so both conditions see the same drift; the
+table then gives each condition's tok/s and each count against the best fixed count under the same load.
 
 Rows (each run in its own process, thread counts alternating A B B A ... so drift on a
 shared machine falls on both):
@@ -40,21 +46,25 @@ def _kvscope(args: list[str], timeout: float) -> None:
     subprocess.run([PY, "-m", "kvscope", *args], env=ENV, cwd=ROOT, check=True, capture_output=True, timeout=timeout)
 
 
-def serve(n: int, model: str = "tiny", workload: str = "realsize", requests: str | None = "256") -> float:
+def _threads_args(n) -> list[str]:
+    return [] if n == "auto" else ["--cpu-threads", str(n)]
+
+
+def serve(n, model: str = "tiny", workload: str = "realsize", requests: str | None = "256") -> float:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "serve.json")
         extra = ["--num-requests", requests] if requests else []
         _kvscope(["serve", "--device", "cpu", "--model", model, "--workload", workload, *extra,
-                  "--cpu-threads", str(n), "--no-progress", "--json", out], timeout=1200)
+                  *_threads_args(n), "--no-progress", "--json", out], timeout=1200)
         with open(out) as f:
             return json.load(f)["summary"]["output_tok_per_s"]
 
 
-def bench(n: int) -> tuple[float, float]:
+def bench(n, workload: str = "realsize", requests: str = "256") -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
-        _kvscope(["bench", "--device", "cpu", "--model", "tiny", "--workload", "realsize", "--num-requests", "256",
-                  "--modes", "chunked", "--peers", "hf-generate-batch", "--cpu-threads", str(n), "--json", out],
+        _kvscope(["bench", "--device", "cpu", "--model", "tiny", "--workload", workload, "--num-requests", requests,
+                  "--modes", "chunked", "--peers", "hf-generate-batch", *_threads_args(n), "--json", out],
                  timeout=1200)
         with open(out) as f:
             rows = {r["name"]: r["output_tok_per_s"] for r in json.load(f)["rows"]}
@@ -87,7 +97,7 @@ def demo(n: int, model: str = "tiny", warmup: float = 8.0, window: float = 25.0)
     from kvscope.tui.demo import demo_command
 
     ev, ctl = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
-    cmd = demo_command(ev, ctl, device="cpu", model=model, extra_args=("--cpu-threads", str(n)))
+    cmd = demo_command(ev, ctl, device="cpu", model=model, extra_args=tuple(_threads_args(n)))
     engine = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tui = subprocess.Popen([PY, "-c", DASHBOARD, ev, ctl, str(warmup + window + 30)], env=ENV, cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -125,14 +135,34 @@ ROWS = {
     "bench": lambda n: dict(zip(("kvscope", "hf-generate-batch"), bench(n))),
     "demo": lambda n: {"kvscope": demo(n)},
     "demo-real": lambda n: {"kvscope": demo(n, "qwen3-0.6b-shape", warmup=20.0, window=40.0)},
+    # issue 29's contention table: the tiny model, 48 requests of the mixed workload, chunked and generate_batch
+    "bench-mixed": lambda n: dict(zip(("chunked", "hf-generate-batch"), bench(n, "mixed", "48"))),
 }
+
+COMPETITOR = "while True: pass"  # one CPU-bound process, as a browser tab or a second engine would be
+
+
+class Competitor:
+    """A busy-loop process for the length of a `with` block."""
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([PY, "-c", COMPETITOR])
+        time.sleep(0.5)  # let it take its core before the measured run starts
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}", help="comma list (default: 1 and all cores)")
+    p.add_argument("--threads", default=f"1,{os.cpu_count() or 1}",
+                   help="comma list of counts and `auto` (default: 1 and all cores)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--competitor", action="store_true",
+                   help="measure each run quiet and beside one busy-loop process, interleaved")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--report", metavar="FILE", action="append", default=[],
                    help="print the table of earlier --json results instead of measuring (repeatable)")
@@ -143,25 +173,62 @@ def main() -> int:
                 saved = json.load(f)
             per_row = saved.get("rounds_per_row")  # merged from several sweeps
             rounds = ", ".join(f"{k} {v}" for k, v in per_row.items()) if per_row else saved["rounds"]
-            print(table(saved["runs"], saved["threads"], saved["cores"], rounds))
+            if "loads" in saved:
+                print(contention_table(saved["runs"], saved["threads"], saved["loads"]))
+            else:
+                print(table(saved["runs"], saved["threads"], saved["cores"], rounds))
         return 0
-    threads = sorted({int(x) for x in args.threads.split(",")})
+    threads = [x if x == "auto" else int(x) for x in dict.fromkeys(args.threads.split(","))]
     rows = args.rows.split(",")
-    runs: dict = {r: {str(n): [] for n in threads} for r in rows}
+    loads = ["quiet", "loaded"] if args.competitor else ["quiet"]
+    runs: dict = {r: {f"{load}/{n}": [] for n in threads for load in loads} for r in rows}
+    uptimes = []
     for rnd in range(args.rounds):
         order = threads if rnd % 2 == 0 else threads[::-1]
         for row in rows:
             for n in order:
-                got = ROWS[row](n)
-                runs[row][str(n)].append(got)
-                print(f"[threads] round {rnd + 1} {row} threads={n}: " +
-                      ", ".join(f"{k} {v:.1f} tok/s" for k, v in got.items()), file=sys.stderr, flush=True)
-    print(table(runs, threads, os.cpu_count(), args.rounds))
+                for load in (loads if rnd % 2 == 0 else loads[::-1]):
+                    uptimes.append(os.getloadavg()[0])
+                    if load == "loaded":
+                        with Competitor():
+                            got = ROWS[row](n)
+                    else:
+                        got = ROWS[row](n)
+                    runs[row][f"{load}/{n}"].append(got)
+                    print(f"[threads] round {rnd + 1} {row} {load} threads={n} (load avg {uptimes[-1]:.1f}): " +
+                          ", ".join(f"{k} {v:.1f} tok/s" for k, v in got.items()), file=sys.stderr, flush=True)
+    if args.competitor:
+        print(contention_table(runs, threads, loads))
+    else:
+        plain = {r: {str(n): per[f"quiet/{n}"] for n in threads} for r, per in runs.items()}
+        print(table(plain, threads, os.cpu_count(), args.rounds))
     if args.json:
+        saved = {"cores": os.cpu_count(), "threads": threads, "rounds": args.rounds, "load_avg_before_runs": uptimes}
+        if args.competitor:
+            saved.update(loads=loads, runs=runs)
+        else:
+            saved["runs"] = {r: {str(n): per[f"quiet/{n}"] for n in threads} for r, per in runs.items()}
         with open(args.json, "w") as f:
-            json.dump({"cores": os.cpu_count(), "threads": threads, "rounds": args.rounds, "runs": runs}, f, indent=1)
+            json.dump(saved, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def contention_table(runs: dict, threads: list, loads: list[str]) -> str:
+    """Per row and load: median tok/s per thread setting, and each setting against the best fixed count
+    under the same load (issue 29's bar: no row below 90% of the better of 1 or all threads)."""
+    fixed = [n for n in threads if n != "auto"]
+    lines = ["output tok/s, median of rounds; (x) = against the best fixed thread count under the same load",
+             f"{'row':<28} " + " ".join(f"{'t=' + str(n):>16}" for n in threads)]
+    for row, per in runs.items():
+        names = next(iter(per.values()))[0].keys()
+        for name in names:
+            for load in loads:
+                med = {n: median([r[name] for r in per[f"{load}/{n}"]]) for n in threads}
+                best = max(med[n] for n in fixed) if fixed else None
+                cells = [f"{med[n]:8.1f} ({med[n] / best:4.2f})" if best else f"{med[n]:8.1f}" for n in threads]
+                lines.append(f"{row + ' ' + name + ' ' + load:<28} " + " ".join(f"{c:>16}" for c in cells))
+    return "\n".join(lines)
 
 
 def table(runs: dict, threads: list[int], cores: int, rounds) -> str:

@@ -30,4 +30,7 @@ def test_gpu_check_dry_run_writes_the_issue_json_shape_and_survives_a_failing_se
         assert row["ms"] > 0 and row["gbps"] > 0
     assert [r["name"] for r in result["e2e"]] == ["chunked"]
     assert all(r["output_tok_per_s"] > 0 for r in result["e2e"])
+    # the roofline of the chunked run's own steps, at the device's measured peaks
+    assert result["roofline"]["peaks"]["flops_per_s"] > 0 and result["roofline"]["peaks"]["bytes_per_s"] > 0
+    assert result["e2e"][0]["roofline_s"] > 0 and result["e2e"][0]["roofline_pct"] > 0
     assert os.path.getsize(result["trace"]["path"]) > 0

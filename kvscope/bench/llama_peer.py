@@ -18,7 +18,7 @@ import time
 
 from kvscope.bench.harness import Row
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" pip install llama-cpp-python '
            "(about 4 minutes of 2 cores)")

@@ -33,7 +33,7 @@ class BenchOptions:
     workload: str = "mixed"
     num_requests: int | None = None  # None: the workload preset's own count
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    peers: list[str] = field(default_factory=lambda: list(peers.PEERS))
+    peers: list[str] = field(default_factory=lambda: list(peers.DEFAULT_PEERS))
     max_prompt_len: int = BENCH_MAX_PROMPT_LEN
     events: bool = False  # also measure the cost of publishing + recording events
     roofline: bool = False  # measure the machine's peaks and give each row its roofline % (bench/roofline.py)
@@ -57,9 +57,12 @@ def bench_items(config: EngineConfig, options: BenchOptions) -> tuple[list, str]
 
 def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     check_row_names(options)
+    if "llama-cpp" in options.peers:
+        peers.check_llama_cpp(config)
     items, device = bench_items(config, options)
     rows = []
     ideal: roofline.Roofline | None = None  # once the machine is measured (after the first row)
+    thread_choice = config.cpu_threads  # the peers run at the count kvscope's own runner ended on
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
         steps: list = []
@@ -69,14 +72,17 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         if not rows:
             log(f"[bench] {engine.describe_dtype()}", file=sys.stderr)
             log(f"[bench] {engine.describe_kv_cache()}", file=sys.stderr)
-        row = mode_row(mode, engine, server)
+        tuner = getattr(engine.backend, "thread_tuner", None)  # the sim backend has none
+        if tuner is not None:
+            thread_choice = tuner.best
+        row = mode_row(mode, engine, server, cpu_threads=tuner.best if tuner else engine.backend.cpu_threads)
         if options.roofline:
             ideal = ideal or _measure_machine(engine, config, log)
             row.extra.update(ideal.extra(steps[0].shapes, row.duration_s))
         rows.append(row.to_dict())
     for peer in options.peers:
         log(f"[bench] {peer} ...", file=sys.stderr)
-        row = peers.PEERS[peer](config, items)
+        row = peers.PEERS[peer](replace(config, cpu_threads=thread_choice), items)
         if ideal is not None:
             row.extra.update(ideal.extra(peers.peer_step_shapes(peer, items, config), row.duration_s))
         rows.append(row.to_dict())

@@ -98,7 +98,23 @@ def hf_generate_batch(config: EngineConfig, items) -> Row:
     return Row.from_samples("hf-generate-batch", ttft, itl, tokens, span)
 
 
-PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch}
+def llama_cpp(config: EngineConfig, items) -> Row:
+    """llama.cpp on the same GGUF file, one request at a time (kvscope/bench/llama_peer.py), same threads."""
+    from kvscope.bench.llama_peer import llama_cpp_row
+
+    return llama_cpp_row(config, items, config.cpu_threads or default_cpu_threads())
+
+
+def check_llama_cpp(config: EngineConfig) -> None:
+    from kvscope.bench.llama_peer import check_available, gguf_path
+
+    check_available()
+    gguf_path(config)
+
+
+PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch,
+                                                         "llama-cpp": llama_cpp}
+DEFAULT_PEERS = ("hf-static", "hf-generate-batch")  # llama-cpp is an optional extra
 
 
 def peer_step_shapes(peer: str, items, config: EngineConfig):

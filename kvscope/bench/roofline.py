@@ -58,20 +58,27 @@ def linear_shapes(shape: ModelShape) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch pages, oneDNN's kernel choice
+def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
+    fn()  # warm-up: first-touch pages, oneDNN's (or cuBLAS's) kernel choice
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_peaks(shape: ModelShape, torch_dtype, tokens: int) -> MachinePeaks:
-    """GEMM FLOP/s at the model's linear shapes with M=tokens, and copy bandwidth, with torch's current threads."""
+def measure_peaks(shape: ModelShape, torch_dtype, tokens: int, device: str = "cpu") -> MachinePeaks:
+    """GEMM FLOP/s at the model's linear shapes with M=tokens, and copy bandwidth, on device (CPU: with
+    torch's current thread count)."""
     import torch
     import torch.nn.functional as F
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    repeats = GEMM_REPEATS if dev.type == "cpu" else 20  # a GPU GEMM is microseconds: more samples
 
     dtype = CATALOG_DTYPES[str(torch_dtype).removeprefix("torch.")]
     gemms = []
@@ -79,18 +86,19 @@ def measure_peaks(shape: ModelShape, torch_dtype, tokens: int) -> MachinePeaks:
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(0)
         for k, n in dict.fromkeys(linear_shapes(shape)):  # each distinct shape once
-            x = torch.randn(tokens, k, generator=gen).to(torch_dtype)
-            w = torch.randn(n, k, generator=gen).to(torch_dtype)
-            s = _best_seconds(lambda: F.linear(x, w), GEMM_REPEATS)
+            x = torch.randn(tokens, k, generator=gen).to(device=dev, dtype=torch_dtype)
+            w = torch.randn(n, k, generator=gen).to(device=dev, dtype=torch_dtype)
+            s = _best_seconds(lambda: F.linear(x, w), repeats, sync)
             flops = 2.0 * tokens * k * n
             count = linear_shapes(shape).count((k, n))
             total_flops += flops * count
             total_s += s * count
             gemms.append({"m": tokens, "k": k, "n": n, "flop_per_s": flops / s})
-        src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
+        src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=dev)
         dst = torch.empty_like(src)
-        copy_s = _best_seconds(lambda: dst.copy_(src), 5)
-    return MachinePeaks(total_flops / total_s, 2 * COPY_BYTES / copy_s, dtype, torch.get_num_threads(), tokens, gemms)
+        copy_s = _best_seconds(lambda: dst.copy_(src), 5, sync)
+    threads = torch.get_num_threads() if dev.type == "cpu" else 0
+    return MachinePeaks(total_flops / total_s, 2 * COPY_BYTES / copy_s, dtype, threads, tokens, gemms)
 
 
 def step_roofline_s(t: StepTerms) -> float:
