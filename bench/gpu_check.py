@@ -389,7 +389,7 @@ def main(argv=None) -> int:
             part = {}
         for key in ("correctness", "decode", "e2e"):
             res[key].extend(part.get(key) or [])
-        for key in ("trace", "e2e_workload"):
+        for key in ("trace", "e2e_workload", "roofline"):
             if part.get(key) is not None:
                 res[key] = part[key]
         res["errors"].update(part.get("errors") or {})

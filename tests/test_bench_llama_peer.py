@@ -1,0 +1,40 @@
+"""`kvscope bench --peers llama-cpp`: an optional extra, with one-line errors before any row runs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def test_without_llama_cpp_python_the_bench_says_how_to_install_it(monkeypatch, capsys):
+    from kvscope.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--peers", "llama-cpp", "--modes", "chunked",
+                 "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "llama-cpp-python" in err[0]
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF"' in err[0]
+
+
+def test_llama_cpp_needs_the_same_gguf_file(monkeypatch, capsys, tmp_path):
+    from kvscope.bench.llama_peer import gguf_path
+    from kvscope.engine.config import EngineConfig
+    from kvscope.errors import KvscopeError
+
+    with pytest.raises(KvscopeError, match="--model PATH.gguf"):
+        gguf_path(EngineConfig(model="tiny"))
+    with pytest.raises(KvscopeError, match="no GGUF file"):
+        gguf_path(EngineConfig(model=str(tmp_path / "missing.gguf")))
+    real = tmp_path / "m.gguf"
+    real.write_bytes(b"GGUF")
+    assert gguf_path(EngineConfig(model=str(real))) == str(real)
+
+
+def test_llama_cpp_is_a_peer_name_but_not_a_default():
+    from kvscope.bench import peers
+    from kvscope.bench.modes import BenchOptions
+
+    assert "llama-cpp" in peers.PEERS
+    assert BenchOptions().peers == ["hf-static", "hf-generate-batch"]
