@@ -99,3 +99,29 @@ def test_auto_dtype_is_said_at_start_up():
     line = llm.engine.describe_dtype()
     assert line.startswith(f"dtype {auto_cpu_dtype().name} on cpu (auto: ")
     assert llm.engine.hello().config["dtype"] == auto_cpu_dtype().name
+
+
+def test_bf16_kv_blocks_swap_out_copy_and_back_bit_for_bit():
+    import torch
+
+    from kvscope.engine.swap import KvSwapper
+
+    cache = torch.randn(2, 2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    before = cache.clone()
+    swapper = KvSwapper(cache, num_cpu_blocks=3)
+    assert swapper.cpu_cache.dtype == torch.bfloat16
+    swapper.apply(swap_out=[(2, 0), (5, 1)], copies=[(1, 6)], swap_in=[])
+    cache[:, :, [2, 5]] = 0
+    swapper.apply(swap_out=[], copies=[], swap_in=[(0, 3), (1, 7)])
+    assert torch.equal(cache[:, :, 3], before[:, :, 2]) and torch.equal(cache[:, :, 7], before[:, :, 5])
+    assert torch.equal(cache[:, :, 6], before[:, :, 1])
+
+
+def test_bf16_preemption_by_swap_finishes_every_request():
+    """A tight bf16 cache: requests are swapped out and back, and each still gets all its tokens."""
+    llm = LLM("tiny", device="cpu", dtype="bfloat16", mode="chunked", num_blocks=10, preemption="swap",
+              swap_space=0.01, max_num_batched_tokens=32)
+    prompts = token_prompts([30, 45, 20, 38, 50, 27], 256, seed=3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert all(o.error is None and len(o.token_ids) == 16 for o in outs)
+    assert llm.engine.num_preemptions > 0
