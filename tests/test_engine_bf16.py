@@ -98,7 +98,7 @@ def test_auto_dtype_is_said_at_start_up():
     llm = LLM("tiny", device="cpu", num_blocks=16)
     line = llm.engine.describe_dtype()
     assert line.startswith(f"dtype {auto_cpu_dtype().name} on cpu (auto: ")
-    assert llm.engine.hello().config["dtype"] == auto_cpu_dtype().name
+    assert llm.engine.hello().config.dtype == auto_cpu_dtype().name
 
 
 def test_bf16_kv_blocks_swap_out_copy_and_back_bit_for_bit():
