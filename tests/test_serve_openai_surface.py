@@ -19,7 +19,7 @@ from kvscope.serve import openai_protocol as oa
 from tests._serve import serving
 from tests.fakes.faults import FaultySampler
 
-CONFIG = dict(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024)
+CONFIG = dict(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024, dtype="float32")
 EMOJI = "Watching the scheduler 🔭🧠✨ and the KV blocks 🧱"
 
 
