@@ -46,7 +46,7 @@ def test_hello_reports_the_threads_chosen_and_the_peers_use_them(restore_threads
     engine = LLMEngine(config)
     try:
         cores = usable_cores()
-        assert engine.hello().config.cpu_threads == cores == torch.get_num_threads()
+        assert engine.hello().config.cpu.threads == cores == torch.get_num_threads()
         torch.set_num_threads(1 if cores > 1 else 2)
         _hf_model(config)
         assert torch.get_num_threads() == cores  # the peer runs with kvscope's thread count
@@ -60,7 +60,7 @@ def test_an_explicit_thread_count_wins(restore_threads):
     config = EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=1)
     engine = LLMEngine(config)
     try:
-        assert engine.hello().config.cpu_threads == 1 == torch.get_num_threads()
+        assert engine.hello().config.cpu.threads == 1 == torch.get_num_threads()
     finally:
         engine.close()
 

@@ -41,12 +41,12 @@ def test_engine_sizes_from_faked_memory_and_hello_carries_the_size(monkeypatch):
     assert engine.num_blocks == (32 << 20) // TINY_BLOCK_BYTES  # half of it
     hello = engine.hello().config
     assert hello.kv_cache_bytes == engine.num_blocks * TINY_BLOCK_BYTES == engine.kv_cache_bytes
-    assert hello.kv_cache_space is None
+    assert hello.cpu.kv_cache_space is None
     assert "50% of 0.1 GiB available" in engine.describe_kv_cache()
 
     sized = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_space=0.01))
     assert sized.num_blocks == int(0.01 * GiB) // TINY_BLOCK_BYTES
-    assert sized.hello().config.kv_cache_space == 0.01
+    assert sized.hello().config.cpu.kv_cache_space == 0.01
 
 
 def test_a_request_that_can_never_fit_is_rejected_in_one_line():
@@ -82,7 +82,7 @@ def test_the_chosen_size_survives_the_wire():
 
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_space=0.01))
     back = decode(encode(engine.hello()))
-    assert back.config.kv_cache_bytes == engine.kv_cache_bytes and back.config.kv_cache_space == 0.01
+    assert back.config.kv_cache_bytes == engine.kv_cache_bytes and back.config.cpu.kv_cache_space == 0.01
 
 
 def test_the_cpu_pool_is_zero_and_writable():

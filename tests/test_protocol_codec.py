@@ -76,8 +76,12 @@ engine_info = st.builds(
     max_num_seqs=st.one_of(st.none(), small_u),
     prefix_caching=st.booleans(),
     swap_space=st.one_of(st.none(), fl),
-    gpu=st.one_of(st.just(msgspec.UNSET), name),
-    sim_efficiency=st.one_of(st.just(msgspec.UNSET), st.none(), st.dictionaries(name, fl, max_size=4)),
+    sim=st.one_of(st.none(), st.builds(
+        E.SimInfo,
+        gpu=st.one_of(st.just(msgspec.UNSET), name),
+        efficiency=st.one_of(st.just(msgspec.UNSET), st.none(), st.dictionaries(name, fl, max_size=4)),
+    )),
+    cpu=st.one_of(st.none(), st.builds(E.CpuInfo, threads=st.one_of(st.just(msgspec.UNSET), st.none(), small_u))),
 )
 hello = st.builds(HelloEvent, st.just(PROTOCOL_VERSION), engine_info, fl)
 request = st.builds(RequestEvent, req, small_u, small_u, i64, fl)

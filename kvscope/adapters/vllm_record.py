@@ -17,7 +17,7 @@ import time
 from kvscope.adapters.vllm_source import NullListener, VllmSource
 from kvscope.adapters.vllm_trace import failed_scrape_event, kv_event, metrics_event, snapshot_event
 from kvscope.protocol.codec import ProtocolError, decode, encode
-from kvscope.protocol.events import BACKEND_VLLM, PROTOCOL_VERSION, EngineInfo, HelloEvent
+from kvscope.protocol.events import BACKEND_VLLM, PROTOCOL_VERSION, HelloEvent, engine_info
 from kvscope.traces.writer import TraceWriter
 
 CHUNK_TICKS = 256
@@ -56,7 +56,7 @@ class VllmRecorder(NullListener):
                 info["vllm_kv_events"] = src.state.kv_addr
             if src.state.replay_addr:
                 info["vllm_kv_replay"] = src.state.replay_addr
-            hello = HelloEvent(PROTOCOL_VERSION, EngineInfo(**info), self.wall_start)
+            hello = HelloEvent(PROTOCOL_VERSION, engine_info(info), self.wall_start)
             # No snapshot_provider: the writer would call it after a tick is handed over, and a
             # tick moves the state only after this listener returns. _tick snapshots before.
             self.writer = TraceWriter(self.path, hello, chunk_steps=CHUNK_TICKS, max_chunk_s=MAX_CHUNK_S)

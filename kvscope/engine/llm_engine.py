@@ -14,7 +14,8 @@ from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
-from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, EngineInfo, HelloEvent, RejectEvent, SnapshotEvent
+from kvscope.protocol.engine_info import WIRE_ORDER
+from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
 from kvscope.protocol.sinks import EventSink
 
 __all__ = ["EventSink", "LLMEngine"]
@@ -104,11 +105,10 @@ class LLMEngine:
     def hello(self) -> HelloEvent:
         config = self.config.to_dict()
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-                      kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name,
-                      preemption_mode=self.config.preemption)
+                      kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
         config = self.backend.hello_config(config)
-        # in EngineInfo's field order, the order hello.config goes on the wire (docs/PROTOCOL.md)
-        ordered = {k: config[k] for k in EngineInfo.__struct_fields__ if k in config}
+        # in the order hello.config goes on the wire (docs/PROTOCOL.md)
+        ordered = {k: config[k] for k in WIRE_ORDER if k in config}
         return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)
 
     def describe_dtype(self) -> str:

@@ -10,7 +10,9 @@ adds only what msgspec does not do (docs/PROTOCOL.md, "Decoding and limits"):
   no recursion ever goes deeper than that, and strings, arrays and maps are capped;
 - the protocol version check on ``hello``;
 - ``SnapshotEvent.block_tables``, a dict here and an array of ``[req, [block, ...]]``
-  pairs on the wire, so that every map key on the wire is a string.
+  pairs on the wire, so that every map key on the wire is a string;
+- ``HelloEvent.config``, an EngineInfo with per-backend sections here and protocol v1's
+  one flat map on the wire (``kvscope.protocol.engine_info``).
 
 No ext types, no bin, no pickle. ``decode`` raises :class:`ProtocolError` (and only
 that) for anything malformed, with a one-line message of bounded length.
@@ -26,6 +28,7 @@ from msgspec import Meta
 
 from kvscope.errors import KvscopeError
 
+from . import engine_info as EI
 from . import events as E
 from .events import MAX_LIST_LEN, MAX_NAME_LEN, MAX_TEXT_LEN, Count, CountList, Int
 
@@ -143,11 +146,19 @@ def _wire_twin(cls):
 
 _SnapshotWire = _wire_twin(E.SnapshotEvent)
 _SNAPSHOT_FIELDS = E.SnapshotEvent.__struct_fields__
+
+
+# A hello on the wire: config is the flat map.
+class _HelloWire(msgspec.Struct, tag="hello", tag_field="type"):
+    version: Int
+    config: EI.EngineInfoWire
+    wall_start: E.Float
+
+
 _EVENT_CLASSES = frozenset(E.EVENT_TYPES.values())
-_decoder = msgspec.msgpack.Decoder(
-    Union[E.StepEvent, E.RequestEvent, _SnapshotWire, E.HelloEvent, E.RejectEvent, E.ByeEvent,
-          E.VllmMetricsEvent, E.VllmKvEvent, E.VllmSnapshotEvent]
-)
+# The wire twins stand in for their events; every other event of the union decodes as itself.
+_TWINS = {E.SnapshotEvent: _SnapshotWire, E.HelloEvent: _HelloWire}
+_decoder = msgspec.msgpack.Decoder(Union[tuple(_TWINS.get(c, c) for c in E.EVENT_TYPES.values())])
 
 
 def _from_wire(w) -> E.SnapshotEvent:
@@ -182,6 +193,8 @@ def encode(event, max_size: int = MAX_EVENT_BYTES) -> bytes:
     try:
         if cls is E.SnapshotEvent:
             event = msgspec.structs.replace(event, block_tables=[[k, v] for k, v in event.block_tables.items()])
+        elif cls is E.HelloEvent:
+            event = _HelloWire(event.version, EI.EngineInfoWire(**EI.to_wire(event.config)), event.wall_start)
         data = _encoder.encode(event)
     except Exception as e:  # TypeError, ValueError, OverflowError, AttributeError...
         raise ProtocolError(_trim(f"cannot encode {cls.type} event: {e}")) from None
@@ -236,6 +249,8 @@ def _finish(ev) -> E.Event:
     cls = type(ev)
     if cls is _SnapshotWire:
         return _from_wire(ev)
-    if cls is E.HelloEvent and ev.version != E.PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {ev.version} (this build speaks {E.PROTOCOL_VERSION})")
+    if cls is _HelloWire:
+        if ev.version != E.PROTOCOL_VERSION:
+            raise ProtocolError(f"unsupported protocol version {ev.version} (this build speaks {E.PROTOCOL_VERSION})")
+        return E.HelloEvent(ev.version, EI.from_wire(ev.config), ev.wall_start)
     return ev

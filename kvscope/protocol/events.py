@@ -9,10 +9,38 @@ seconds on the engine's clock (0 at engine start) unless a field says ``wall``.
 """
 
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import Meta, Struct
+
+from .engine_info import CpuInfo, CudaInfo, EngineInfo, SimInfo, VllmInfo, engine_info  # noqa: F401
+from .types import (  # noqa: F401 - the schema's field types, re-exported
+    FLOAT_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LIST_LEN,
+    MAX_NAME_LEN,
+    MAX_TEXT_LEN,
+    Count,
+    CountList,
+    Float,
+    Int,
+    IntList,
+    Name,
+    ProtocolEvent,
+    Text,
+    list_of,
+)
+from .vllm_events import (  # noqa: F401 - a recorded vLLM's events, re-exported
+    BlockHash,
+    VllmBlockEvent,
+    VllmCachedBlock,
+    VllmKvCounters,
+    VllmKvEvent,
+    VllmMetricsEvent,
+    VllmSnapshotEvent,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -59,21 +87,8 @@ PREEMPTION_MODES = (PREEMPT_RECOMPUTE, PREEMPT_SWAP)
 # Where a request came from (RequestEvent.source, RequestState.source; added within v1).
 SOURCE_ENGINE, SOURCE_HTTP = "", "http"  # "": the engine's own workload or control injections
 
-# ----------------------------------------------------------------------------- limits
-MAX_LIST_LEN = 1 << 20  # any array (block lists of a large KV pool fit)
-MAX_NAME_LEN = 1024  # reason / mode / name strings
-MAX_TEXT_LEN = 64 << 10  # free text (a model path)
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-_FLOAT_MAX = 1.7976931348623157e308
-
-# Field types: the constraints are part of the schema.
-Int = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # request ids, steps, priorities
-Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # counts, lengths, block ids
-Float = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]  # finite (NaN fails both bounds)
-Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
-IntList = Annotated[list[Int], Meta(max_length=MAX_LIST_LEN)]
-CountList = Annotated[list[Count], Meta(max_length=MAX_LIST_LEN)]
+# ----------------------------------------------------------------------------- field types
+# (the numeric, string and list types with their limits are in .types)
 Kind = Literal["prefill", "decode"]
 Verdict = Literal["admitted", "blocked", "idle"]
 State = Literal["waiting", "running", "preempted", "swapped", "finished"]
@@ -81,8 +96,7 @@ Direction = Literal["out", "in"]
 Source = Annotated[str, Meta(max_length=16)]
 
 
-def _list(t):
-    return Annotated[list[t], Meta(max_length=MAX_LIST_LEN)]
+_list = list_of
 
 
 # ------------------------------------------------------------------- nested records
@@ -184,67 +198,12 @@ class BlockOwner(Struct, array_like=True, gc=False):
 
 
 # ------------------------------------------------------------------------ engine info
-class EngineInfo(Struct, kw_only=True):
-    """``hello.config``: what the engine runs, as typed fields (a map on the wire).
-
-    Fields a stream leaves out decode to their defaults ("" / None: not reported);
-    unknown keys are ignored. Fields whose default is UNSET are sent only by the
-    backends they concern (the sim's, a GPU's name) and are left out of the map when
-    unset, so an engine's hello encodes exactly the keys it sets, in this order.
-    """
-
-    model: Text = ""
-    device: Name = ""
-    dtype: Name = ""
-    backend: Name = ""  # "model" or "sim"
-    mode: Name = ""  # naive, static, continuous, chunked
-    policy: Text = ""
-    block_size: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 16
-    num_blocks: Count | None = None
-    max_num_seqs: Count | None = None
-    max_num_batched_tokens: Count | None = None
-    max_model_len: Count | None = None
-    seed: Int | None = None
-    prefix_caching: bool = False
-    preemption: Name = ""  # "recompute" or "swap"
-    swap_space: Float | None = None  # GiB of CPU memory for swapped-out KV
-    kv_cache_space: Float | None | UnsetType = UNSET  # CPU: GiB asked for the KV cache (None: sized from memory)
-    cpu_threads: Count | None = None
-    enforce_eager: bool = False
-    gpu_memory_utilization: Float | None = None
-    gpu: Name | UnsetType = UNSET  # sim: catalog GPU
-    tp: Count | UnsetType = UNSET  # sim: tensor-parallel degree
-    kv_cache_dtype: Name | UnsetType = UNSET
-    sim_efficiency: Annotated[dict[Name, Float], Meta(max_length=64)] | None | UnsetType = UNSET
-    sim_pace: Float | None | UnsetType = UNSET
-    kv_cache_bytes: Count | UnsetType = UNSET  # the KV cache's size as chosen at start-up
-    attention: Name = ""  # the attention implementation
-    preemption_mode: Name = ""
-    sim_model: Name | UnsetType = UNSET  # sim: catalog model shape
-    weight_dtype: Name | UnsetType = UNSET
-    device_name: Text | UnsetType = UNSET  # CUDA: the GPU's name
-    max_waiting: Count | None | UnsetType = UNSET  # cap of queued requests
-    vllm_url: Text | UnsetType = UNSET  # a recorded vLLM (backend "vllm"): what was watched
-    vllm_kv_events: Text | UnsetType = UNSET
-    vllm_kv_replay: Text | UnsetType = UNSET
-    vllm_interval: Float | UnsetType = UNSET  # seconds between scrapes
-
-    def as_dict(self) -> dict:
-        """The fields that are set, as a plain dict (for display and tools)."""
-        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET}
-
-
-def engine_info(config: dict | EngineInfo) -> EngineInfo:
-    """An EngineInfo from an engine's config dict (keys it does not know are dropped)."""
-    if isinstance(config, EngineInfo):
-        return config
-    known = EngineInfo.__struct_fields__
-    return EngineInfo(**{k: v for k, v in config.items() if k in known})
+# hello.config: EngineInfo, the engine's own fields plus optional per-backend sections
+# (kvscope.protocol.engine_info; a flat map on the wire).
 
 
 # ---------------------------------------------------------------------------- events
-class HelloEvent(Struct, tag="hello", tag_field="type"):
-    type: ClassVar[str] = "hello"
+class HelloEvent(ProtocolEvent, tag="hello"):
     version: Int
     config: EngineInfo
     wall_start: Float
@@ -254,8 +213,7 @@ class HelloEvent(Struct, tag="hello", tag_field="type"):
             self.config = engine_info(self.config)
 
 
-class RequestEvent(Struct, tag="request", tag_field="type"):
-    type: ClassVar[str] = "request"
+class RequestEvent(ProtocolEvent, tag="request"):
     req: Int
     prompt_len: Count
     max_tokens: Count
@@ -264,15 +222,13 @@ class RequestEvent(Struct, tag="request", tag_field="type"):
     source: Source = SOURCE_ENGINE  # SOURCE_HTTP for a request sent to the HTTP API (optional: older streams omit it)
 
 
-class RejectEvent(Struct, tag="reject", tag_field="type"):
-    type: ClassVar[str] = "reject"
+class RejectEvent(ProtocolEvent, tag="reject"):
     req: Int
     reason: Name
     t: Float
 
 
-class StepEvent(Struct, tag="step", tag_field="type"):
-    type: ClassVar[str] = "step"
+class StepEvent(ProtocolEvent, tag="step"):
     step: Int
     t: Float
     dur: Float
@@ -299,8 +255,7 @@ class StepEvent(Struct, tag="step", tag_field="type"):
     swaps: _list(Swap) = []  # swaps out (with a "swap" preemption) and in
 
 
-class SnapshotEvent(Struct, tag="snapshot", tag_field="type"):
-    type: ClassVar[str] = "snapshot"
+class SnapshotEvent(ProtocolEvent, tag="snapshot"):
     step: Int
     t: Float
     requests: _list(RequestState) = []
@@ -314,118 +269,30 @@ class SnapshotEvent(Struct, tag="snapshot", tag_field="type"):
     kv: KvCounters = msgspec.field(default_factory=KvCounters)
 
 
-class ByeEvent(Struct, tag="bye", tag_field="type"):
-    type: ClassVar[str] = "bye"
+class ByeEvent(ProtocolEvent, tag="bye"):
     step: Int
     t: Float
     reason: Name = "drained"
 
 
-# ------------------------------------------------- a watched vLLM (added within v1)
-# `kvscope record --vllm` stores what it saw of a vLLM engine in a trace whose hello has
-# config.backend "vllm": parsed metric scrapes, normalized KV-event batches, and the
-# snapshots that open chunks. Each scrape or batch is one tick of the trace's `step`
-# counter, so chunks, seek and the index work as for an engine's trace.
-BlockHash = Union[Int, Name]  # vLLM's int hash when it fits int64, else a hex string (bytes: no bin on the wire)
-BucketBound = Annotated[float, Meta(ge=-_FLOAT_MAX)]  # +Inf allowed (the last bucket), NaN and -Inf not
-NameMap = Annotated[dict[Name, Float], Meta(max_length=1024)]
-
-
-class VllmBlockEvent(Struct, array_like=True, gc=False):
-    kind: Literal["stored", "removed", "cleared"]
-    hashes: Annotated[list[BlockHash], Meta(max_length=MAX_LIST_LEN)] = []
-    parent: BlockHash | None = None  # stored: the block the first of them continues
-    tokens: Count = 0  # stored: tokens in the blocks
-    block_size: Count = 0
-    medium: Name = "GPU"
-
-
-class VllmCachedBlock(Struct, array_like=True, gc=False):
-    hash: BlockHash
-    parent: BlockHash | None
-    medium: Name
-    depth: Count
-    children: Count
-
-
-class VllmKvCounters(Struct, array_like=True, gc=False):
-    received: Count = 0
-    replayed: Count = 0
-    malformed: Count = 0
-    gaps: Count = 0
-    missed: Count = 0
-    last_seq: Int = -1
-
-
-class VllmMetricsEvent(Struct, tag="vllm_metrics", tag_field="type"):
-    """One /metrics scrape, parsed: only `vllm:` families, summed over engines (prefix dropped)."""
-
-    type: ClassVar[str] = "vllm_metrics"
-    step: Int
-    t: Float  # seconds since the recording started
-    gauges: NameMap = {}
-    by_label: Annotated[dict[Name, NameMap], Meta(max_length=1024)] = {}  # gauge -> reason -> value
-    counters: NameMap = {}  # name without _total
-    buckets: Annotated[dict[Name, Annotated[list[tuple[BucketBound, Float]], Meta(max_length=4096)]],
-                       Meta(max_length=1024)] = {}  # cumulative (le, count)
-    skipped: Count = 0
-    model: Text | None = None  # the model_name label, when the scrape has one
-    error: Text | None = None  # the scrape failed: nothing else is set
-
-
-class VllmKvEvent(Struct, tag="vllm_kv", tag_field="type"):
-    """One KV-event batch as received (or replayed), in one shape whatever vLLM's encoding."""
-
-    type: ClassVar[str] = "vllm_kv"
-    step: Int
-    t: Float
-    seq: Int
-    ts: Float  # vLLM's own batch timestamp
-    dp_rank: Int | None = None
-    events: _list(VllmBlockEvent) = []
-    unknown: Count = 0  # events of a type the recorder did not know
-    replayed: bool = False
-    kv: VllmKvCounters = msgspec.field(default_factory=VllmKvCounters)  # the subscriber's tallies after it
-
-
-class VllmSnapshotEvent(Struct, tag="vllm_snapshot", tag_field="type"):
-    """The cache population as the recorder's view holds it, in store order: what opens a chunk."""
-
-    type: ClassVar[str] = "vllm_snapshot"
-    step: Int
-    t: Float
-    blocks: _list(VllmCachedBlock) = []
-    roots: Count = 0
-    max_depth: Count = 0
-    block_size: Count = 0
-    stored_total: Count = 0
-    removed_total: Count = 0
-    cleared: Count = 0
-    forgotten: Count = 0
-    unknown_removed: Count = 0
-    unknown_events: Count = 0
-    batches: Count = 0
-    kv: VllmKvCounters = msgspec.field(default_factory=VllmKvCounters)
-    metrics_errors: Count = 0
-    # the oldest and the newest scrape of the metrics window, so rates and bucket deltas
-    # show at once after a seek
-    scrapes: Annotated[list[VllmMetricsEvent], Meta(max_length=2)] = []
-
-
+# A watched vLLM's recording events (vllm_metrics, vllm_kv, vllm_snapshot) live in
+# kvscope.protocol.vllm_events; they are part of the one union.
 Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent,
               VllmMetricsEvent, VllmKvEvent, VllmSnapshotEvent]
 
-EVENT_TYPES: dict[str, type] = {
-    "hello": HelloEvent,
-    "request": RequestEvent,
-    "reject": RejectEvent,
-    "step": StepEvent,
-    "snapshot": SnapshotEvent,
-    "bye": ByeEvent,
-    "vllm_metrics": VllmMetricsEvent,
-    "vllm_kv": VllmKvEvent,
-    "vllm_snapshot": VllmSnapshotEvent,
-}
+
+def _registry(union) -> dict[str, type]:
+    """tag -> class for every event of the union; each class's ``type`` is its tag."""
+    out: dict[str, type] = {}
+    for cls in get_args(union):
+        cls.type = cls.__struct_config__.tag
+        if cls.type in out:
+            raise TypeError(f"two events tagged {cls.type!r}")
+        out[cls.type] = cls
+    return out
+
+
+EVENT_TYPES: dict[str, type] = _registry(Event)
 
 # The roles a trace gives events: a chunk opens with a snapshot; ticks advance `step`.
 SNAPSHOT_TYPES = (SnapshotEvent, VllmSnapshotEvent)

@@ -1,0 +1,202 @@
+"""``hello.config``: what an engine runs, as the engine's own fields plus one optional
+section per backend.
+
+In Python an :class:`EngineInfo` holds the settings every engine has (model, mode,
+policy, the KV pool, budgets, preemption...) and a section for what only one backend
+reports: ``cpu`` (the model backend on a CPU), ``cuda`` (on a GPU), ``sim`` (the sim's
+catalog GPU, model shape and efficiencies) and ``vllm`` (a recorded vLLM: what was
+watched). A section is ``None`` when its backend reported nothing.
+
+On the wire hello.config stays the one flat map of protocol v1 (docs/PROTOCOL.md), so
+every trace ever written reads as before: :data:`WIRE_KEYS` names each key, in the
+order an engine sends them, and the section field it lands in. The codec decodes the
+flat map (:class:`EngineInfoWire`) and calls :func:`from_wire`; it encodes with
+:func:`to_wire`. A section's fields are sent only when set (UNSET: absent from the map).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from .types import INT64_MAX, Count, Float, Int, Name, Text
+
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+Efficiencies = Annotated[dict[Name, Float], Meta(max_length=64)]
+
+
+class CpuInfo(Struct, kw_only=True):
+    """The model backend on a CPU."""
+
+    kv_cache_space: Float | None | UnsetType = UNSET  # GiB asked for the KV cache (None: sized from memory)
+    threads: Count | None | UnsetType = UNSET  # torch threads, as chosen
+
+
+class CudaInfo(Struct, kw_only=True):
+    """The model backend on a GPU."""
+
+    device_name: Text | UnsetType = UNSET  # the GPU's name (lets calibrate find it in the sim catalog)
+
+
+class SimInfo(Struct, kw_only=True):
+    """The sim backend: what it models."""
+
+    gpu: Name | UnsetType = UNSET  # catalog GPU
+    tp: Count | UnsetType = UNSET  # tensor-parallel degree
+    kv_cache_dtype: Name | UnsetType = UNSET
+    efficiency: Efficiencies | None | UnsetType = UNSET  # fitted efficiencies
+    pace: Float | None | UnsetType = UNSET  # virtual time per wall second cap
+    model: Name | UnsetType = UNSET  # catalog model shape
+    weight_dtype: Name | UnsetType = UNSET
+
+
+class VllmInfo(Struct, kw_only=True):
+    """A recorded vLLM (backend "vllm"): what was watched."""
+
+    url: Text | UnsetType = UNSET
+    kv_events: Text | UnsetType = UNSET
+    kv_replay: Text | UnsetType = UNSET
+    interval: Float | UnsetType = UNSET  # seconds between scrapes
+
+
+SECTIONS: dict[str, type[Struct]] = {"cpu": CpuInfo, "cuda": CudaInfo, "sim": SimInfo, "vllm": VllmInfo}
+
+
+class EngineInfo(Struct, kw_only=True):
+    """The engine's own settings, then one optional section per backend.
+
+    Fields a stream leaves out decode to their defaults ("" / None: not reported).
+    """
+
+    model: Text = ""
+    device: Name = ""
+    dtype: Name = ""
+    backend: Name = ""  # "model", "sim" or "vllm"
+    mode: Name = ""  # naive, static, continuous, chunked
+    policy: Text = ""
+    block_size: PositiveInt = 16
+    num_blocks: Count | None = None
+    max_num_seqs: Count | None = None
+    max_num_batched_tokens: Count | None = None
+    max_model_len: Count | None = None
+    seed: Int | None = None
+    prefix_caching: bool = False
+    preemption: Name = ""  # "recompute" or "swap"
+    swap_space: Float | None = None  # GiB of CPU memory for swapped-out KV
+    enforce_eager: bool = False
+    gpu_memory_utilization: Float | None = None
+    kv_cache_bytes: Count | UnsetType = UNSET  # the KV cache's size as chosen at start-up
+    attention: Name = ""  # the attention implementation
+    cpu: CpuInfo | None = None
+    cuda: CudaInfo | None = None
+    sim: SimInfo | None = None
+    vllm: VllmInfo | None = None
+
+    def __post_init__(self) -> None:
+        for name in SECTIONS:  # a section that reports nothing is no section (the wire cannot tell them apart)
+            section = getattr(self, name)
+            if section is not None and all(getattr(section, f) is UNSET for f in section.__struct_fields__):
+                setattr(self, name, None)
+
+    def as_dict(self) -> dict:
+        """The flat map hello.config is on the wire (the keys that are set), for display and tools."""
+        return to_wire(self)
+
+
+# (wire key, section or None, field): every key of the flat map, in the order an engine
+# sends them. Two keys only decode: "max_waiting" was documented but never sent, and
+# "preemption_mode" repeated "preemption" (older traces carry both).
+WIRE_KEYS: tuple[tuple[str, str | None, str], ...] = (
+    ("model", None, "model"),
+    ("device", None, "device"),
+    ("dtype", None, "dtype"),
+    ("backend", None, "backend"),
+    ("mode", None, "mode"),
+    ("policy", None, "policy"),
+    ("block_size", None, "block_size"),
+    ("num_blocks", None, "num_blocks"),
+    ("max_num_seqs", None, "max_num_seqs"),
+    ("max_num_batched_tokens", None, "max_num_batched_tokens"),
+    ("max_model_len", None, "max_model_len"),
+    ("seed", None, "seed"),
+    ("prefix_caching", None, "prefix_caching"),
+    ("preemption", None, "preemption"),
+    ("swap_space", None, "swap_space"),
+    ("kv_cache_space", "cpu", "kv_cache_space"),
+    ("cpu_threads", "cpu", "threads"),
+    ("enforce_eager", None, "enforce_eager"),
+    ("gpu_memory_utilization", None, "gpu_memory_utilization"),
+    ("gpu", "sim", "gpu"),
+    ("tp", "sim", "tp"),
+    ("kv_cache_dtype", "sim", "kv_cache_dtype"),
+    ("sim_efficiency", "sim", "efficiency"),
+    ("sim_pace", "sim", "pace"),
+    ("kv_cache_bytes", None, "kv_cache_bytes"),
+    ("attention", None, "attention"),
+    ("sim_model", "sim", "model"),
+    ("weight_dtype", "sim", "weight_dtype"),
+    ("device_name", "cuda", "device_name"),
+    ("vllm_url", "vllm", "url"),
+    ("vllm_kv_events", "vllm", "kv_events"),
+    ("vllm_kv_replay", "vllm", "kv_replay"),
+    ("vllm_interval", "vllm", "interval"),
+)
+WIRE_ORDER = tuple(k for k, _, _ in WIRE_KEYS)
+_WHERE = {k: (s, f) for k, s, f in WIRE_KEYS}
+
+
+def _wire_struct() -> type[Struct]:
+    """The flat map as a Struct (the codec decodes hello.config into it): each key typed as
+    its field; a section's keys, and the two legacy ones, default to UNSET (absent)."""
+    fields = []
+    for key, section, name in WIRE_KEYS:
+        owner = SECTIONS[section] if section else EngineInfo
+        f = next(f for f in msgspec.structs.fields(owner) if f.name == name)
+        fields.append((key, f.type, f.default))
+    fields.append(("preemption_mode", Name | UnsetType, UNSET))
+    fields.append(("max_waiting", Count | None | UnsetType, UNSET))
+    return msgspec.defstruct("EngineInfoWire", fields, kw_only=True)
+
+
+EngineInfoWire = _wire_struct()
+
+
+def from_flat(flat: dict) -> EngineInfo:
+    """An EngineInfo from flat keys (a wire map already typed, or an engine's config dict).
+    Keys it does not know are dropped."""
+    core: dict = {}
+    sections: dict[str, dict] = {}
+    for key, value in flat.items():
+        if value is UNSET or key not in _WHERE:
+            continue
+        section, name = _WHERE[key]
+        (sections.setdefault(section, {}) if section else core)[name] = value
+    if not core.get("preemption") and flat.get("preemption_mode") not in (None, UNSET, ""):
+        core["preemption"] = flat["preemption_mode"]  # an older stream's second name for it
+    for section, values in sections.items():
+        core[section] = SECTIONS[section](**values)
+    return EngineInfo(**core)
+
+
+def from_wire(w) -> EngineInfo:
+    return from_flat({k: getattr(w, k) for k in w.__struct_fields__})
+
+
+def to_wire(info: EngineInfo) -> dict:
+    """The flat map, in WIRE_ORDER, with the keys that are set."""
+    out = {}
+    for key, section, name in WIRE_KEYS:
+        owner = getattr(info, section) if section else info
+        if owner is None:
+            continue
+        value = getattr(owner, name)
+        if value is not UNSET:
+            out[key] = value
+    return out
+
+
+def engine_info(config: dict | EngineInfo) -> EngineInfo:
+    """An EngineInfo from an engine's flat config dict (keys it does not know are dropped)."""
+    return config if isinstance(config, EngineInfo) else from_flat(config)
