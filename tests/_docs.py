@@ -47,9 +47,10 @@ RUN_LANGS = ("sh", "bash", "python")
 SKIP_RE = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
 MARKER_RE = re.compile(r"^<!--\s*doc-test:")
 
-COMMAND_TIMEOUT_S = 120  # one command that ends; generous for a loaded shared host
-UP_TIMEOUT_S = 90  # a server's model load under load
-TUI_UP_TIMEOUT_S = 120  # race runs its configurations before the compare screen opens
+# Deadlines, not expectations: generous for a shared 2-core host under other jobs' load.
+COMMAND_TIMEOUT_S = 300  # one command that ends
+UP_TIMEOUT_S = 180  # a server's imports and model load
+TUI_UP_TIMEOUT_S = 240  # race runs its configurations before the compare screen opens
 STOP_TIMEOUT_S = 30
 DAEMON_COMMANDS = ("record", "web")
 TUI_COMMANDS = ("tui", "replay", "compare", "demo")
@@ -242,10 +243,15 @@ def _http_health(host: str, port: int) -> bool:
     return False
 
 
+def _exec(command: str) -> str:
+    """The command for `bash -c`, exec'd so signals reach it (`env` carries a VAR=value prefix)."""
+    return ("exec env " if ENV_WORD.match(command) else "exec ") + command
+
+
 def start_daemon(command: str, argv: list[str], cwd: str, env: dict) -> Daemon:
     log = os.path.join(cwd, f".daemon-{len(os.listdir(cwd))}.log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", "-c", "exec " + command], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(["bash", "-c", _exec(command)], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     records = argv[argv.index("--record") + 1] if "--record" in argv[:-1] else None
     if subcommand(argv) == "record":
@@ -365,7 +371,7 @@ def start_pty(command: str, cwd: str, env: dict) -> PtyRun:
     if pid == 0:  # child: its own session already (pty.fork makes it the session leader)
         try:
             os.chdir(cwd)
-            os.execvpe("bash", ["bash", "-c", "exec " + command], env)
+            os.execvpe("bash", ["bash", "-c", _exec(command)], env)
         finally:
             os._exit(127)
     _set_winsize(fd)
