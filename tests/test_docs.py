@@ -131,7 +131,7 @@ def _kvscope(*args: str) -> str:
 
 
 def _complete(port: int) -> dict:
-    body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -174,7 +174,9 @@ def test_serve_forever_on_a_terminal_with_its_progress_bar(tmp_path):
     run = D.start_pty(cmd, str(tmp_path), D.environment())
     try:
         deadline = time.monotonic() + D.UP_TIMEOUT_S
-        while not D._accepts("127.0.0.1", port):
+        trace = tmp_path / "t.kvtrace"
+        # serving: its socket is bound, the trace is open and the bar has drawn (it loads the model first)
+        while not (D._accepts("127.0.0.1", port) and trace.exists() and b"req" in run.output):
             run.pump(0.3)
             assert run.status is None, f"serve exited {run.status}:\n{D._tail(run.text())}"
             assert time.monotonic() < deadline, D._tail(run.text())
