@@ -120,7 +120,10 @@ def test_doc_flags_exist(doc, helps):
             problems += [f"{doc}:{line}: {p}" for p in _invocation_problems(parts, helps)]
         elif parts and parts[0].startswith("--"):
             flag = D.flags(parts[:1])
-            if flag and flag[0] not in every_flag and flag[0] not in FOREIGN_FLAGS:
+            if flag and flag[0].endswith("-"):  # a family, as in `--vllm-...`
+                if not any(f.startswith(flag[0]) for f in every_flag):
+                    problems.append(f"{doc}:{line}: no kvscope flag starts {flag[0]}")
+            elif flag and flag[0] not in every_flag and flag[0] not in FOREIGN_FLAGS:
                 problems.append(f"{doc}:{line}: no kvscope command has {flag[0]}")
     assert not problems, "\n".join(problems)
 
