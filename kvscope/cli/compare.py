@@ -36,8 +36,8 @@ class Compare(Command):
             raise UsageError(f"compare takes 2 to {MAX_RUNS} traces, got {len(args.files)}")
         app = make_compare_app(args.files, align=args.align, speed=args.speed, playing=not args.paused,
                                palette=args.palette)
-        for run in app.runs:
-            if run.error:
+        for run in (feed.run for feed in app.feeds):
+            if run is not None and run.error:
                 print(f"kvscope compare: {run.path}: {run.error} (its column says so)", file=sys.stderr)
         app.run()
         return 0
