@@ -148,6 +148,9 @@ def test_a_preset_never_imports_the_module_it_names(tmp_path, monkeypatch):
     ({"base": "chat", "policy": "os:system"}, "unknown key 'policy'"),
     ({"base": "chat", "prompt_len": {"kind": "const", "value": 10**9}}, "prompt_len.value must be <="),
     ("[" * 100_000, "invalid JSON"),
+    ({"base": "chat", "priority_levels": [0, -(2**63)]}, "priority_levels[1] must be >= -9223372036854775807"),
+    ({"base": "chat", "priority_levels": [2**64 - 1]}, "priority_levels[0] must be <= 9223372036854775807"),
+    ({"base": "chat", "seed": 2**64}, "seed must be <= 9223372036854775807"),
 ])
 def test_workload_files_are_data(body, needle, capsys, tmp_path):
     path = tmp_path / "w.json"

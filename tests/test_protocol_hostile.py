@@ -129,6 +129,24 @@ def test_encoder_never_emits_what_the_reader_refuses():
         encode(StepEvent(1, 0.0, 0.0, 1, running=list(range(100_000))), max_size=1000)
 
 
+@pytest.mark.parametrize("priority", [2**63, 2**64 - 1, -(2**63) - 1, 2**70])
+def test_an_int_past_int64_is_never_encoded(priority):
+    """The trace that one priority destroyed: msgpack can hold a uint64 the reader refuses."""
+    from kvscope.protocol import RequestEvent
+
+    with pytest.raises(ProtocolError):
+        encode(RequestEvent(1, 4, 4, priority, 0.0))
+    for ok in (2**63 - 1, -(2**63)):  # the edges themselves are events
+        assert decode(encode(RequestEvent(1, 4, 4, ok, 0.0))).priority == ok
+
+
+def test_a_float_that_looks_like_a_uint64_still_encodes():
+    import struct
+
+    t = struct.unpack(">d", b"\x3f\xcf\xff" + b"\x00" * 5)[0]  # its bytes hold 0xcf then 0xff
+    assert decode(encode(StepEvent(1, t, 0.0, 1))).t == t
+
+
 msgpack_value = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=12),
               st.binary(max_size=4)),

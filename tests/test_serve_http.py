@@ -224,6 +224,45 @@ def test_bad_chat_requests_and_the_client_errors(live, client):
     assert too_long  # the engine kept serving after all of the above
 
 
+@pytest.mark.parametrize("priority", ["-9223372036854775808", "-9223372036854775809", "18446744073709551615",
+                                      "9223372036854775808", "1e400", "1.5", "true"])
+def test_a_priority_past_int64_is_a_400(live, priority):
+    """The engine's priority is the negation of vLLM's: -2^63 would overflow the int64 of every event."""
+    body = ('{"model": "tiny", "prompt": "x", "max_tokens": 1, "priority": %s}' % priority).encode()
+    r = httpx.post(live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "priority" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_trace_recorded_with_extreme_accepted_values_reads_back_whole(tmp_path):
+    from kvscope.traces.info import trace_info
+    from kvscope.traces.reader import TraceReader
+    from kvscope.traces.writer import TraceWriter
+
+    path = tmp_path / "extreme.kvtrace"
+    writers = []
+
+    def recording(engine):
+        writers.append(TraceWriter(path, engine.hello(), snapshot_provider=engine.snapshot))
+        return writers
+
+    with serving(EngineConfig(**CONFIG), sinks=recording) as live:
+        for priority in (2**63 - 1, -(2**63 - 1), 0):
+            r = httpx.post(live.base_url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "x", "max_tokens": 3, "priority": priority,
+                                 "seed": 2**63 - 1, "temperature": 0.5, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        live.wait_until(live.idle, what="the engine to drain")
+    writers[0].close()
+    assert writers[0].lost == 0
+    reader = TraceReader(path)
+    reqs = [e for e in reader.events() if e.type == "request"]
+    assert sorted(e.priority for e in reqs) == [-(2**63 - 1), 0, 2**63 - 1]
+    text = trace_info(path)
+    assert "requests:" in text and "warnings:   none" in text, text
+    assert reader.summary().steps > 0
+
+
 def test_oversize_body_and_unknown_route(live):
     r = httpx.post(live.base_url + "/v1/completions", content=b"x" * (5 << 20))
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from kvscope.engine import isolation, outputs, telemetry
@@ -11,7 +12,7 @@ from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
 from kvscope.engine.errors import KvscopeError, RequestRejected
 from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
-from kvscope.engine.request import Request
+from kvscope.engine.request import Request, priority_problem
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
 from kvscope.protocol.engine_info import WIRE_ORDER
@@ -149,6 +150,11 @@ class LLMEngine:
         arrival = self.now() if arrival is None else arrival
         try:
             params.validate()
+            bad_priority = priority_problem(priority)
+            if bad_priority:
+                raise KvscopeError(bad_priority)
+            if not isinstance(arrival, (int, float)) or not math.isfinite(arrival):
+                raise KvscopeError(f"arrival must be a finite number of seconds, got {arrival!r}")
             token_ids = self.tokenize(prompt)
             self._check_fits(token_ids)
             self._check_sampling(params)

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 
 from kvscope.engine.sampling_params import SamplingParams
+
+
+# A priority is an int64 whose negation is one too: vLLM's "lower first" becomes kvscope's
+# "higher first" by negating it (HTTP), and every priority reaches events as an int64.
+PRIORITY_MAX = (1 << 63) - 1
+PRIORITY_MIN = -PRIORITY_MAX
+
+
+def priority_problem(value: object) -> str | None:
+    """Why ``value`` is not a priority, in one line (None when it is one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return f"priority must be an integer, got {type(value).__name__}"
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        return f"priority must be in [-(2^63-1), 2^63-1], got {value}"
+    return None
 
 
 class RequestStatus(enum.Enum):

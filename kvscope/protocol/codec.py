@@ -20,6 +20,7 @@ that) for anything malformed, with a one-line message of bounded length.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Annotated, Any, Union
 
@@ -183,6 +184,9 @@ def _pack_default(obj):
 _encoder = msgspec.msgpack.Encoder(enc_hook=_pack_default)
 
 
+_UINT64_PAST_INT64 = re.compile(rb"\xcf[\x80-\xff]")
+
+
 def encode(event, max_size: int = MAX_EVENT_BYTES) -> bytes:
     """Encode one event as a msgpack map. Raises ProtocolError if it can't, or if the
     result is one ``decode`` would refuse (over ``max_size``, or an array past its cap):
@@ -200,7 +204,10 @@ def encode(event, max_size: int = MAX_EVENT_BYTES) -> bytes:
         raise ProtocolError(_trim(f"cannot encode {cls.type} event: {e}")) from None
     if len(data) > max_size:
         raise ProtocolError(f"{cls.type} event of {len(data)} bytes exceeds the {max_size}-byte limit")
-    if len(data) > MAX_LIST_LEN:  # only a frame this large can hold an array past the cap: check it
+    # Only a frame this large can hold an array past the cap; only a frame with a msgpack uint64
+    # of 2^63 or more (0xcf, then a high byte; a float's bytes can look the same) can hold an int
+    # past int64, which every Int and Count refuses. Those frames alone are decoded to be sure.
+    if len(data) > MAX_LIST_LEN or _UINT64_PAST_INT64.search(data):
         try:
             decode(data, max_size)
         except ProtocolError as e:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from kvscope.engine.request import PRIORITY_MAX, PRIORITY_MIN
 from kvscope.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
@@ -62,7 +63,9 @@ class _Request(Struct, kw_only=True):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0  # vLLM: lower is served first
+    # vLLM: lower is served first. The engine's priority is its negation, so the range is symmetric,
+    # -(2^63-1)..2^63-1: a 400 outside it, before anything reaches an event.
+    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
     user: str | None = None  # OpenAI's end-user id: recorded by OpenAI, no effect on the output
     request_id: str | None = None  # vLLM: the response id is built from it
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
