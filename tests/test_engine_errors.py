@@ -157,7 +157,7 @@ def test_mixed_good_and_bad_prompts(tiny_ref, mode):
         ([5, 260], ok, "token id 260 is outside the vocabulary (0..259)"),
         ([5, -1], ok, "token id -1 is outside the vocabulary"),
         ([1.5, 2], ok, "a prompt must be a string or a list of token ids"),
-        (good[2], SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (good[2], SamplingParams(max_tokens=0), "max_tokens must be an integer in [1, 2^63)"),
         (good[2], SamplingParams(max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
         (good[2], SamplingParams(max_tokens=4, top_p=0.0), "top_p must be in (0, 1]"),
         (good[2], ok, None),

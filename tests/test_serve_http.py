@@ -263,6 +263,43 @@ def test_a_trace_recorded_with_extreme_accepted_values_reads_back_whole(tmp_path
     assert reader.summary().steps > 0
 
 
+@pytest.mark.parametrize("body", [b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                                  b"[" * 50_000, b'{"model": "tiny", "prompt": "x", "tools": ' + b"[" * 50_000])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(live, body):
+    r = httpx.post(live.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    ok = httpx.post(live.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200  # and the server goes on
+
+
+def _raw_http(live, request: bytes) -> tuple[str, dict, bytes]:
+    """Send bytes as they are (no client would send these) and read the answer until the server closes."""
+    import socket
+
+    host, port = live.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return lines[0], headers, body
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-1", b"1e3", b"5, 6", b"\xd9\xa3"])
+def test_a_bad_content_length_gets_openai_error_json(live, length):
+    status, headers, body = _raw_http(live, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + length +
+                                      b"\r\nContent-Type: application/json\r\n\r\n{}")
+    assert status.startswith("HTTP/1.1 400"), status
+    assert headers["content-type"] == "application/json"
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["code"] == "malformed_http_request"
+
+
 def test_oversize_body_and_unknown_route(live):
     r = httpx.post(live.base_url + "/v1/completions", content=b"x" * (5 << 20))
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"

@@ -36,8 +36,8 @@ class SamplingParams:
     detokenize: bool = True  # keep the output text (incrementally); off for token-id-only workloads
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise KvscopeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 1 << 63:  # an int64 in events
+            raise KvscopeError(f"max_tokens must be an integer in [1, 2^63), got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise KvscopeError(f"temperature must be >= 0 (and finite), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

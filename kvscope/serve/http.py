@@ -195,7 +195,7 @@ class HttpFrontEnd:
     # ---- generation ---------------------------------------------------------------------
     async def _body(self, request: Request, kind: type):
         declared = request.headers.get("content-length") or "0"
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise oa.ApiError(400, f"bad Content-Length {declared[:32]!r}")
         if int(declared) > oa.MAX_BODY_BYTES:
             raise oa.ApiError(413, f"request body over {oa.MAX_BODY_BYTES} bytes")
@@ -341,8 +341,10 @@ class HttpServer:
     def __init__(self, app, host: str, port: int) -> None:
         import uvicorn
 
+        from kvscope.serve.http_wire import JsonErrorsH11Protocol
+
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2, access_log=False)
+                                timeout_graceful_shutdown=2, access_log=False, http=JsonErrorsH11Protocol)
         self.server = uvicorn.Server(config)
         self.port = port
         self.thread = threading.Thread(target=self.server.run, name="kvscope-http", daemon=True)

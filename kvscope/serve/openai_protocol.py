@@ -191,6 +191,8 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"invalid JSON body: {e}") from None
+    except RecursionError:  # a field typed Any (prompt, tools) holding [[[[... thousands deep
+        raise ApiError(400, "invalid JSON body: nested too deeply") from None
 
 
 def _same(value: Any, neutral: Any) -> bool:
