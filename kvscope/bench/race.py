@@ -53,6 +53,10 @@ def plan(config: EngineConfig, modes: list[str], policies: list[str]) -> list[Ra
             for i, (m, p) in enumerate(combos)]
 
 
+def trace_path(run: RacePlan, out_dir: str) -> str:
+    return os.path.join(out_dir, f"{run.label}-{run.name}.kvtrace")
+
+
 def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: bool = True,
              log=print) -> list[dict]:
     """Run each plan over ``items``, recording ``out_dir/<label>-<name>.kvtrace``; returns bench rows."""
@@ -63,7 +67,7 @@ def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: 
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for k, run in enumerate(runs):
-        path = os.path.join(out_dir, f"{run.label}-{run.name}.kvtrace")
+        path = trace_path(run, out_dir)
         writers: list = []
 
         def record(engine, path=path):

@@ -176,28 +176,12 @@ def workload_args(p: argparse.ArgumentParser, default: str) -> None:
 
 
 # ---- checks made before a run ---------------------------------------------------------------
-def check_output_path(path: str | None, *, inputs: Iterable[str] = ()) -> None:
-    """A file we will write at the end of a run: fail now, not after the run. It must not be one of
-    the command's inputs (writing it would destroy what is being read)."""
-    if not path:
-        return
-    if os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: it is a directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"cannot write {path}: no directory {parent}")
-    for source in inputs:
-        if source and _same_file(path, source):
-            raise UsageError(f"cannot write {path}: it is an input of this command")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"cannot write {path}: permission denied")
+def check_output_path(path: str | None, *, inputs: Iterable[str | None] = (), kind: str = "json") -> None:
+    """A file we will write at the end of a run: fail now, not after the run. The one rule for every
+    command (kvscope.output_paths): never one of its inputs, never over a file of another kind."""
+    from kvscope.output_paths import check_output
 
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either does not exist yet: compare where they would be
-        return os.path.realpath(a) == os.path.realpath(b)
+    check_output(path, kind, inputs=[p for p in inputs if isinstance(p, str)])
 
 
 def check_address(addr: str, *, bind: bool, allow_remote: bool = False) -> None:

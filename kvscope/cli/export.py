@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import UsageError, check_output_path
+from kvscope.cli.common import UsageError
 
 
 class Export(Command):
@@ -26,8 +26,10 @@ class Export(Command):
         given = [(flag, path) for flag, path in outputs if path]
         if not given:
             raise UsageError("export needs at least one of --perfetto OUT.json, --requests OUT.csv, --steps OUT.csv")
-        for i, (flag, path) in enumerate(given):
-            check_output_path(path, inputs=[args.file, *(other for _, other in given[:i])])
+        from kvscope.output_paths import CSV, JSON, check_outputs
+
+        check_outputs([(args.perfetto, JSON, "--perfetto"), (args.requests, CSV, "--requests"),
+                       (args.steps, CSV, "--steps")], inputs=[args.file])
         stats = export_trace(args.file, perfetto=args.perfetto, requests_csv=args.requests, steps_csv=args.steps)
         print(f"exported {stats.steps} steps, {stats.requests} requests ({stats.slices} slices on "
               f"{stats.lanes} request lanes)", file=sys.stderr)

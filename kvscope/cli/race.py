@@ -33,7 +33,7 @@ class Race(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.bench.modes import print_table
-        from kvscope.bench.race import plan, race_result, run_race
+        from kvscope.bench.race import plan, race_result, run_race, trace_path
 
         check_output_path(args.json, inputs=[args.workload, args.preset])
         if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -42,6 +42,10 @@ class Race(Command):
         modes = args.modes.split(",") if args.modes else (preset_modes or ["naive", "static", "continuous", "chunked"])
         policies = args.policies.split(",") if args.policies else []
         runs = plan(config, [m for m in modes if m], [p for p in policies if p])
+        if os.path.isdir(args.out):  # the traces it will write: never over a file of another kind
+            for run in runs:
+                check_output_path(trace_path(run, args.out), inputs=[args.workload, args.preset, args.json],
+                                  kind="kvtrace")
         where = "sim backend" if sim else f"{device}, one run after another"
         print(f"kvscope race: {len(runs)} runs of {len(items)} requests ({where})", file=sys.stderr)
         rows = run_race(runs, items, args.out, sim=sim, progress=not args.no_progress)

@@ -33,7 +33,7 @@ class Record(Command):
         from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
         from kvscope.traces.record import record
 
-        check_output_path(args.file)
+        check_output_path(args.file, kind="kvtrace")
         if args.vllm or args.kv_events:
             return _record_vllm(args)
         if args.kv_replay:

@@ -51,8 +51,8 @@ class Serve(Command):
         from kvscope.workload import load_spec
 
         load_spec(args.workload)  # fail on a bad workload before loading the model
-        check_output_path(args.json, inputs=[args.record])
-        check_output_path(args.record, inputs=[args.workload])
+        check_output_path(args.json, inputs=[args.record, args.workload])
+        check_output_path(args.record, inputs=[args.workload], kind="kvtrace")
         if args.events and args.control and args.events == args.control:
             raise UsageError(f"--events and --control must be different addresses (both {args.events})")
         for addr in (args.events, args.control):

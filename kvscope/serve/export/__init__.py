@@ -18,8 +18,11 @@ class ExportStats:
 
 def export_trace(trace: str, perfetto: str | None = None, requests_csv: str | None = None,
                  steps_csv: str | None = None) -> ExportStats:
+    from kvscope.output_paths import CSV, JSON, check_outputs
     from kvscope.traces.reader import engine_trace
 
+    check_outputs([(perfetto, JSON, "--perfetto"), (requests_csv, CSV, "--requests"), (steps_csv, CSV, "--steps")],
+                  inputs=[trace])  # never over the trace it reads, nor over a file of another kind
     reader = engine_trace(trace, "export")
     writers = []
     if perfetto:
