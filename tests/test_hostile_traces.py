@@ -235,3 +235,77 @@ def test_a_chunk_over_the_raw_bound_is_split_at_its_snapshots(tmp_path, monkeypa
             raw_len = F.CHUNK_META.unpack(f.read(F.CHUNK_META.size))[3]
             assert raw_len <= 8192
     assert w.lost == 0
+
+
+# ---- sizes read from a trace are bounded before anything is built from them ------------------
+def _crafted_trace(path, rewrite):
+    """A real sim run whose events pass through ``rewrite(event) -> event or None`` on the way to the file."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(backend="sim", model="llama-3.3-70b-fp8", max_num_seqs=4, seed=1))
+    writer = TraceWriter(path, engine.hello(), chunk_steps=8, snapshot_provider=engine.snapshot, background=False)
+
+    class Rewriting:
+        def publish(self, event):
+            event = rewrite(event)
+            if event is not None:
+                writer.publish(event)
+
+        def close(self):
+            pass
+
+    engine.attach(Rewriting())
+    for i in range(24):
+        engine.add_request([1 + (i * 7 + k) % 500 for k in range(20 + 5 * i)],
+                           SamplingParams(max_tokens=6, ignore_eos=True), arrival=0.01 * i)
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    writer.close()
+
+
+def _huge_prompt(ev):
+    import msgspec
+
+    if ev.type == "request" and ev.req == 3:
+        return msgspec.structs.replace(ev, prompt_len=10**12, max_tokens=2**63 - 1)
+    return ev
+
+
+@pytest.mark.parametrize("argv", [["diagnose", "T"], ["diagnose", "T", "--json", "out.json"],
+                                  ["export", "T", "--perfetto", "p.json", "--requests", "r.csv", "--steps", "s.csv"],
+                                  ["trace-info", "T"]])
+def test_a_request_of_a_trillion_tokens_builds_nothing_that_large(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _crafted_trace(tmp_path / "t.kvtrace", _huge_prompt)
+    tracemalloc.start()
+    try:
+        code = main([a if a != "T" else "t.kvtrace" for a in argv])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "Traceback" not in out.err and peak < 200 << 20, peak
+
+
+def test_calibrate_on_a_trace_without_requests_is_one_line(tmp_path, capsys):
+    _crafted_trace(tmp_path / "t.kvtrace", lambda ev: None if ev.type == "request" else ev)
+    assert main(["calibrate", str(tmp_path / "t.kvtrace")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no request events" in err[0], err
+
+
+def test_calibrate_on_a_trace_of_a_trillion_token_request_is_bounded(tmp_path, capsys):
+    _crafted_trace(tmp_path / "t.kvtrace", _huge_prompt)
+    tracemalloc.start()
+    try:
+        code = main(["calibrate", str(tmp_path / "t.kvtrace")])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and peak < 200 << 20
+    assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), err

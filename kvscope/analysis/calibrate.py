@@ -49,6 +49,11 @@ def read_trace(path: str) -> TraceData:
             steps.append(ev)
         elif isinstance(ev, RequestEvent):
             requests.append(ev)
+    if not steps:
+        raise KvscopeError(f"{path}: the trace holds no steps; nothing to calibrate")
+    if not requests:  # throughput and TTFT are measured from the requests' arrivals
+        raise KvscopeError(f"{path}: the trace holds no request events (a recording that began mid-run has "
+                           "only snapshots of its requests); calibration needs a run recorded from its start")
     return TraceData(reader.hello.config.as_dict(), steps, requests)
 
 

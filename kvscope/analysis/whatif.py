@@ -170,6 +170,10 @@ def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | 
         now = engine.now()
         while i < len(reqs) and reqs[i].arrival <= now:
             r = reqs[i]
+            if not 1 <= r.prompt_len < engine.max_model_len:  # a trace's sizes are not trusted: checked before
+                rejected += 1  # anything is built from them (the sim could not serve it either)
+                i += 1
+                continue
             params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
             try:
                 engine.add_request(prompt_tokens(r, vocab), params, r.priority, arrival=r.arrival)
