@@ -320,3 +320,140 @@ def test_batches_a_replay_skips_are_counted_as_missed():
         if source is not None:
             source.close()
         pub.close()
+
+
+# ---- an untrusted server: endless bodies, trickles, NaN and ±Inf ---------------------------------
+class EndlessMetrics:
+    """A /metrics that never ends: fast (an endless body) or one byte at a time (a trickle)."""
+
+    def __init__(self, trickle: bool = False, body: bytes | None = None) -> None:
+        import http.server
+        import threading
+
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                try:
+                    if fake.body is not None:
+                        self.wfile.write(fake.body)
+                        return
+                    line = b"vllm:num_requests_running 1\n" * (1 if trickle else 4096)
+                    while not fake.closed:
+                        self.wfile.write(line[:1] if trickle else line)
+                        self.wfile.flush()
+                        if trickle:
+                            time.sleep(0.05)
+                except OSError:
+                    pass  # the client hung up, as it should
+
+            def log_message(self, *args):
+                pass
+
+        self.body = body
+        self.closed = False
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_endless_metrics_body_is_cut_at_the_byte_limit_while_streaming():
+    import tracemalloc
+
+    from kvscope.adapters.vllm_metrics import MAX_TEXT_BYTES
+
+    server = EndlessMetrics()
+    source = VllmSource(server.url)
+    try:
+        tracemalloc.start()
+        with httpx.Client(timeout=10) as client:
+            source.scrape_once(client, budget_s=60)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        server.close()
+    assert source.state.metrics.errors == 1 and "byte limit" in source.state.metrics.last_error
+    assert peak < 3 * MAX_TEXT_BYTES  # the limit plus a chunk, never the whole stream
+
+
+def test_a_trickling_metrics_body_is_cut_at_the_scrape_budget():
+    server = EndlessMetrics(trickle=True)
+    source = VllmSource(server.url)
+    try:
+        with httpx.Client(timeout=10) as client:
+            source.scrape_once(client, budget_s=0.5)
+    finally:
+        server.close()
+    assert source.state.metrics.errors == 1 and "not complete within 0.5 s" in source.state.metrics.last_error
+
+
+def test_record_of_an_endless_server_stops_at_its_duration(tmp_path):
+    """`record --duration 1` of a server whose /metrics never ends: it returns, with a readable trace."""
+    from kvscope.adapters.vllm_record import record_vllm
+    from kvscope.traces.info import trace_info
+
+    server = EndlessMetrics(trickle=True)
+    t0 = time.monotonic()
+    try:
+        rec = record_vllm(tmp_path / "v.kvtrace", server.url, None, None, interval=0.2, duration=1.0,
+                          progress=False)
+    finally:
+        server.close()
+    assert time.monotonic() - t0 < 30  # a hang check with room for a loaded machine, not a speed test
+    assert rec.failed >= 1
+    if rec.writer is not None:
+        assert "trace:" in trace_info(tmp_path / "v.kvtrace")
+
+
+NON_FINITE = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running +Inf\n'
+              '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc NaN\n'
+              '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting -Inf\n'
+              '# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total +Inf\n'
+              '# TYPE vllm:time_to_first_token_seconds histogram\n'
+              'vllm:time_to_first_token_seconds_bucket{le="0.1"} +Inf\n'
+              'vllm:time_to_first_token_seconds_bucket{le="0.2"} NaN\n'
+              'vllm:time_to_first_token_seconds_bucket{le="NaN"} 3\n'
+              'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 4\n'
+              'vllm:time_to_first_token_seconds_count 4\nvllm:time_to_first_token_seconds_sum 1\n')
+
+
+def test_nan_and_inf_samples_are_counted_and_skipped():
+    s = parse(NON_FINITE, 0.0)
+    assert s.gauges == {} and s.counters == {}
+    assert s.buckets["time_to_first_token_seconds"] == [(float("inf"), 4.0)]
+    assert s.skipped == 7
+
+
+@pytest.mark.anyio
+async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
+    """Values that reach a panel another way (an older recording, a crafted trace) never crash it."""
+    from kvscope.adapters.vllm_metrics import Scrape
+    from kvscope.tui.vllm_app import VllmApp
+
+    inf, nan = float("inf"), float("nan")
+    source = VllmSource("http://127.0.0.1:9")
+    for t in (0.0, 1.0):
+        source.state.metrics.add(Scrape(
+            t, gauges={"num_requests_running": inf, "num_requests_waiting": nan, "kv_cache_usage_perc": inf},
+            by_label={"num_requests_waiting_by_reason": {"capacity": nan}},
+            counters={"generation_tokens": inf * t if t else 0.0, "prefix_cache_queries": inf},
+            buckets={"time_to_first_token_seconds": [(0.1, inf), (0.2, nan), (inf, inf * t or 1.0)],
+                     "inter_token_latency_seconds": [(inf, 5.0 + t)]}))
+    app = VllmApp(source, auto_tick=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.pump()
+        await pilot.pause()
+        queues = app.screen.query_one("#vllm-queues").render().plain
+        latency = app.screen.query_one("#vllm-latency").render().plain
+    assert "running -" in queues and "KV cache -" in queues
+    assert "TTFT" in latency and "+Inf" in latency

@@ -60,8 +60,8 @@ def parse(text: str, t: float) -> Scrape:
             value = s.value
             if scrape.model is None and "model_name" in s.labels:
                 scrape.model = str(s.labels["model_name"])[:256]
-            if not isinstance(value, (int, float)) or math.isnan(value):
-                scrape.skipped += 1
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                scrape.skipped += 1  # NaN and ±Inf are valid Prometheus text, but no count, rate or gauge
                 continue
             if fam.type == "gauge":
                 scrape.gauges[name] = scrape.gauges.get(name, 0.0) + value
@@ -84,6 +84,8 @@ def parse(text: str, t: float) -> Scrape:
                 try:
                     le = float(s.labels["le"])
                 except (KeyError, ValueError):
+                    le = math.nan
+                if not (math.isfinite(le) or le == math.inf):  # +Inf is the last bucket; NaN, -Inf are not bounds
                     scrape.skipped += 1
                     continue
                 per = buckets.setdefault(name, {})
@@ -171,7 +173,8 @@ class MetricsView:
         if name not in b.counters or b.t <= a.t:
             return None
         delta = b.counters[name] - a.counters.get(name, 0.0)
-        return max(0.0, delta) / (b.t - a.t)  # a counter reset reads as 0, not negative
+        r = max(0.0, delta) / (b.t - a.t)  # a counter reset reads as 0, not negative
+        return r if math.isfinite(r) else None  # two huge finite values can still overflow
 
     def hit_rate(self) -> float | None:
         if len(self.scrapes) < 2:
@@ -189,7 +192,7 @@ class MetricsView:
         if len(self.scrapes) < 2:
             return list(b)
         a = dict(self.scrapes[0].buckets.get(name, []))
-        return [(le, max(0.0, c - a.get(le, 0.0))) for le, c in b]
+        return [(le, d) for le, c in b if math.isfinite(d := max(0.0, c - a.get(le, 0.0)))]
 
     def percentiles(self, name: str) -> tuple[float | None, float | None, float | None]:
         b = self.window_buckets(name)

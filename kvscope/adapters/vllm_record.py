@@ -129,11 +129,12 @@ def record_vllm(path: str | os.PathLike, url: str | None, kv_events: str | None,
     stop = stop or threading.Event()
     tty = progress and sys.stderr.isatty()
     last_line = 0.0
-    if url:  # one scrape first, so the trace's hello can name the model
-        import httpx
+    if url:  # one scrape first, so the trace's hello can name the model (within --duration too)
+        from kvscope.adapters.vllm_source import SCRAPE_TIMEOUT_S, scrape_client
 
-        with httpx.Client(timeout=min(5.0, interval * 2 + 1.0)) as client:
-            source.scrape_once(client)
+        budget = SCRAPE_TIMEOUT_S if duration is None else min(SCRAPE_TIMEOUT_S, duration)
+        with scrape_client(interval) as client:
+            source.scrape_once(client, budget_s=budget)
     source.start()
     try:
         while not stop.wait(0.2):

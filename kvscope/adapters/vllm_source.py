@@ -12,13 +12,23 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvscope.adapters.vllm_cache import CacheView
-from kvscope.adapters.vllm_metrics import MetricsError, MetricsView, parse
+from kvscope.adapters.vllm_metrics import MAX_TEXT_BYTES, MetricsError, MetricsView, parse
 from kvscope.adapters.vllm_wire import END_SEQ, WireError, decode_batch, decode_seq, encode_seq
 
 MAX_MESSAGE_BYTES = 16 << 20
 RECV_HWM = 10_000
 REPLAY_TIMEOUT_S = 2.0
 POLL_MS = 100
+SCRAPE_TIMEOUT_S = 5.0  # one whole scrape, connect to last byte (a per-read timeout alone lets a trickle run on)
+
+
+def scrape_client(interval: float):
+    """The HTTP client for /metrics: no compression asked for (a gzip bomb is never inflated), and a
+    per-read timeout short enough that a silent server cannot hold a scrape past its budget for long."""
+    import httpx
+
+    per_read = min(SCRAPE_TIMEOUT_S, interval * 2 + 1.0)
+    return httpx.Client(timeout=httpx.Timeout(per_read), headers={"accept-encoding": "identity"})
 
 
 @dataclass
@@ -125,12 +135,12 @@ class VllmSource:
             t.join(timeout=2.0)
 
     # -- metrics --------------------------------------------------------------------
-    def scrape_once(self, client) -> None:
+    def scrape_once(self, client, budget_s: float | None = None) -> None:
+        """One GET /metrics, bounded while it streams: at most MAX_TEXT_BYTES, and at most
+        ``budget_s`` seconds in all (default: the scrape timeout), and it stops when the source does.
+        An endless or trickling body is a failed scrape, never a growing buffer or a late return."""
         try:
-            resp = client.get(f"{self.url}/metrics")
-            if resp.status_code != 200:
-                raise MetricsError(f"GET {self.url}/metrics: HTTP {resp.status_code}")
-            scrape = parse(resp.text, time.time())
+            scrape = parse(self._fetch(client, SCRAPE_TIMEOUT_S if budget_s is None else budget_s), time.time())
         except MetricsError as e:
             self._failed(str(e))
             return
@@ -143,6 +153,28 @@ class VllmSource:
             self.state.metrics.last_error = None
             self.state.version += 1
 
+    def _fetch(self, client, budget_s: float) -> str:
+        deadline = time.monotonic() + max(0.0, budget_s)
+        url = f"{self.url}/metrics"
+        with client.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise MetricsError(f"GET {url}: HTTP {resp.status_code}")
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_TEXT_BYTES:
+                raise MetricsError(f"GET {url}: body of {declared} bytes is over the {MAX_TEXT_BYTES}-byte limit")
+            chunks, size = [], 0
+            for chunk in resp.iter_raw():  # raw: a compressed body is refused below, never inflated
+                size += len(chunk)
+                if size > MAX_TEXT_BYTES:
+                    raise MetricsError(f"GET {url}: body over the {MAX_TEXT_BYTES}-byte limit (stopped reading)")
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise MetricsError(f"GET {url}: body not complete within {budget_s:g} s (stopped reading)")
+                chunks.append(chunk)
+            if resp.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+                raise MetricsError(f"GET {url}: compressed body ({resp.headers['content-encoding'][:20]}) "
+                                   "not accepted")
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
     def _failed(self, message: str) -> None:
         with self.lock:
             self.listener.scrape_failed(message)
@@ -150,9 +182,7 @@ class VllmSource:
             self.state.version += 1
 
     def _poll_metrics(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=min(5.0, self.interval * 2 + 1.0)) as client:
+        with scrape_client(self.interval) as client:
             while not self._stop.is_set():
                 self.scrape_once(client)
                 self._stop.wait(self.interval)

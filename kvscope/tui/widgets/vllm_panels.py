@@ -14,7 +14,13 @@ from kvscope.tui import fmt
 from kvscope.tui.widgets.base import StateWidget, join_lines
 
 
+def _finite(v: float | None) -> float | None:
+    """A value as drawn: a server (or a trace) may send NaN or ±Inf, which no bar or number can show."""
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
 def _num(v: float | None, f=fmt.rate) -> str:
+    v = _finite(v)
     return "-" if v is None else f(v)
 
 
@@ -55,18 +61,19 @@ class VllmQueues(StateWidget):
         m = st.metrics
         running = m.gauge("num_requests_running")
         waiting = m.gauge("num_requests_waiting")
-        kv = m.gauge("kv_cache_usage_perc", "gpu_cache_usage_perc")
+        kv = _finite(m.gauge("kv_cache_usage_perc", "gpu_cache_usage_perc"))
         ln = Text(" ")
         ln.append(f"running {_num(running, lambda v: f'{v:.0f}')}", style="bold")
         ln.append(f"   waiting {_num(waiting, lambda v: f'{v:.0f}')}", style="bold")
         reasons = m.last.by_label.get("num_requests_waiting_by_reason", {})
         if reasons:
-            ln.append("  (" + ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items())) + ")", style=pal.dim)
+            ln.append("  (" + ", ".join(f"{k} {_num(v, lambda x: f'{x:.0f}')}" for k, v in sorted(reasons.items()))
+                      + ")", style=pal.dim)
         lines.append(ln)
         ln = Text(" KV cache ")
         if kv is not None:
             width = 20
-            filled = min(width, int(round(kv * width)))
+            filled = max(0, min(width, int(round(kv * width))))
             ln.append("█" * filled, style=pal.bad if kv > 0.95 else pal.ok)
             ln.append("·" * (width - filled), style=pal.dim)
             ln.append(f" {fmt.pct(kv)}")
@@ -76,7 +83,7 @@ class VllmQueues(StateWidget):
         pre = m.rate("num_preemptions")
         lines.append(Text(f" preemptions/s {_num(pre)}   prompt tok/s {_num(m.rate('prompt_tokens'))}   "
                           f"generation tok/s {_num(m.rate('generation_tokens'))}"))
-        hit = m.hit_rate()
+        hit = _finite(m.hit_rate())
         lines.append(Text(f" prefix-cache hit rate {fmt.pct(hit) if hit is not None else '-'}   "
                           f"(over the last {m.window_s:.0f} s)", style=pal.dim))
         return join_lines(lines)
@@ -96,7 +103,7 @@ class VllmLatency(StateWidget):
         m = st.metrics
         for label, name in self.FAMILIES:
             fam = name if name in m.last.buckets else name.replace("inter_token_latency", "time_per_output_token")
-            p50, p90, p99 = m.percentiles(fam)
+            p50, p90, p99 = (_finite(p) for p in m.percentiles(fam))
             ln = Text(f" {label:<5}", style="bold")
             ln.append(f"p50 {fmt.dur(p50)}  ", style=pal.p50)
             ln.append(f"p90 {fmt.dur(p90)}  ", style=pal.p90)
@@ -109,6 +116,8 @@ class VllmLatency(StateWidget):
         """One cell per decade step of the bucket bounds, height = share of the window's samples."""
         pal = self.pal
         t = Text(" ", no_wrap=True, overflow="ellipsis")
+        # a bound may be +Inf (the last bucket); a count that is not finite cannot be drawn: left out
+        buckets = [(le, c) for le, c in buckets if _finite(c) is not None and (_finite(le) is not None or le == math.inf)]
         if not buckets or buckets[-1][1] <= 0:
             t.append("no samples in the window", style=pal.dim)
             return t
@@ -123,7 +132,8 @@ class VllmLatency(StateWidget):
         for le, n in cells[: max(1, width // 2)]:
             g = glyphs[min(8, int(math.ceil(8 * n / peak)))] if n else "·"
             t.append(g * 2, style=pal.bar if n else pal.dim)
-        t.append(f"  ≤{fmt.dur(cells[0][0])} … {'+Inf' if math.isinf(cells[-1][0]) else fmt.dur(cells[-1][0])}"
+        bound = lambda le: "+Inf" if math.isinf(le) else fmt.dur(le)  # noqa: E731
+        t.append(f"  ≤{bound(cells[0][0])} … {bound(cells[-1][0])}"
                  f", {total:.0f} samples", style=pal.dim)
         return t
 
