@@ -457,3 +457,75 @@ async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
         latency = app.screen.query_one("#vllm-latency").render().plain
     assert "running -" in queues and "KV cache -" in queues
     assert "TTFT" in latency and "+Inf" in latency
+
+
+def live_connected(pub, source, timeout: float = 30.0) -> None:
+    """Wait until the SUB connection carries live batches (PUB drops what it sends to a joining
+    subscriber): empty batches until one arrives live, a condition rather than a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = source.state.kv.received
+        pub.publish([])
+        if wait_for(lambda: source.state.kv.received > before, 0.5):
+            return
+    raise AssertionError("no live batch arrived")
+
+
+def test_a_seq_jump_to_near_2_63_is_a_visible_reset_and_the_view_follows():
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
+    try:
+        pub.publish([pub.stored([1], None)])
+        live_connected(pub, source)
+        pub.seq = 2**63 - 20  # the publisher jumps; its replay buffer now answers nonsense too
+        pub.buffer.append((2**63 - 1, pub.buffer[-1][1]))
+        for k in range(5):
+            pub.publish([pub.stored([10 + k], None)])
+        assert wait_for(lambda: source.state.kv.last_seq == 2**63 - 16), source.state.kv
+        with source.lock:
+            kv = source.state.kv
+            assert kv.resets == 1 and "jumped" in kv.last_error and "reset 1" in kv.last_error
+            assert kv.missed == 0  # a jump no replay could fill is not 2^63 missed batches
+            assert source.state.cache.cached_blocks == 6  # every batch after the jump applied
+    finally:
+        source.close()
+        pub.close()
+
+
+def test_a_replay_that_answers_2_63_minus_1_for_a_gap_is_ignored_with_a_notice():
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
+    try:
+        pub.publish([pub.stored([1], None)])
+        live_connected(pub, source)
+        pub.buffer.append((2**63 - 1, pub.buffer[-1][1]))  # the replay will also answer this
+        pub.publish([pub.stored([2], 1)], drop=True)  # a gap: only the replay has it
+        pub.publish([pub.stored([3], 2)])
+        last = pub.seq - 1
+        assert wait_for(lambda: source.state.kv.last_seq == last), source.state.kv
+        pub.publish([pub.stored([4], 3)])  # and later batches still arrive (no stall at 2^63-1)
+        assert wait_for(lambda: source.state.kv.last_seq == last + 1), source.state.kv
+        with source.lock:
+            kv = source.state.kv
+            assert kv.missed == 0 and kv.malformed >= 1 and source.state.cache.cached_blocks == 4
+    finally:
+        source.close()
+        pub.close()
+
+
+def test_a_restarted_publisher_far_below_the_last_seq_is_followed():
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr).start()
+    try:
+        pub.seq = 5 * 2**20
+        pub.publish([pub.stored([1], None)])
+        live_connected(pub, source)
+        pub.seq = 0  # a new vLLM on the same address starts at 0
+        pub.publish([pub.stored([2], None)])
+        assert wait_for(lambda: source.state.kv.last_seq == 0), source.state.kv
+        with source.lock:
+            assert source.state.kv.resets == 1 and source.state.kv.missed == 0
+            assert 2 in source.state.cache.blocks
+    finally:
+        source.close()
+        pub.close()

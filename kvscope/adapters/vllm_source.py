@@ -19,6 +19,10 @@ MAX_MESSAGE_BYTES = 16 << 20
 RECV_HWM = 10_000
 REPLAY_TIMEOUT_S = 2.0
 POLL_MS = 100
+# A seq this far from the last one is not a gap to replay (vLLM buffers 10,000 batches) but a publisher
+# that restarted or broke: the view says so and follows the new numbers instead of stalling on the old.
+MAX_SEQ_JUMP = 1 << 20
+MAX_STALE = 4 * RECV_HWM  # more already-seen live batches in a row than a replay's overlap can explain
 SCRAPE_TIMEOUT_S = 5.0  # one whole scrape, connect to last byte (a per-read timeout alone lets a trickle run on)
 
 
@@ -38,7 +42,9 @@ class KvStats:
     malformed: int = 0
     gaps: int = 0
     missed: int = 0  # batches lost for good (not in the replay buffer either)
+    resets: int = 0  # the seq jumped past any plausible gap (a restarted or broken publisher): followed anew
     last_seq: int = -1
+    stale: int = 0  # live batches in a row at or below last_seq (a few follow every replay; endless ones: a reset)
     last_error: str | None = None
 
 
@@ -233,8 +239,17 @@ class VllmSource:
                 kv.malformed += 1
                 kv.last_error = str(e)
             return
+        if kv.last_seq >= 0 and not -MAX_SEQ_JUMP <= seq - kv.last_seq <= MAX_SEQ_JUMP:
+            self._reset(seq, f"KV-event seq jumped from {kv.last_seq} to {seq}")
         if seq <= kv.last_seq:
-            return  # already applied (from a replay)
+            with self.lock:
+                kv.stale += 1
+                if kv.stale <= MAX_STALE:
+                    return  # already applied (from a replay)
+            self._reset(seq, f"{MAX_STALE} KV-event batches in a row at or below seq {kv.last_seq}, last {seq}")
+        kv.stale = 0
+        if kv.last_seq < 0 and seq > MAX_SEQ_JUMP and not self.state.replay_addr:
+            kv.last_seq = seq - 1  # joined a long-running stream with no replay: nothing to count as missed
         if seq > kv.last_seq + 1:
             with self.lock:
                 kv.gaps += 1
@@ -245,6 +260,18 @@ class VllmSource:
                 with self.lock:
                     kv.missed += seq - kv.last_seq - 1
         self._apply(seq, frames[2], replayed=False)
+
+    def _reset(self, seq: int, why: str) -> None:
+        """Follow the publisher's new numbers from here (a visible notice, counted; no batch is counted
+        missed for a jump no replay could fill). The cached blocks stay: vLLM says when it clears them."""
+        with self.lock:
+            kv = self.state.kv
+            kv.resets += 1
+            kv.gaps += 1
+            kv.last_seq = seq - 1  # the batch in hand comes next: nothing to replay before it
+            kv.stale = 0
+            kv.last_error = f"{why}: past any plausible gap, followed as a new stream (reset {kv.resets})"
+            self.state.version += 1
 
     def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
         kv = self.state.kv
@@ -296,6 +323,14 @@ class VllmSource:
                     break
                 if seq > self.state.kv.last_seq:
                     hole = seq - max(self.state.kv.last_seq + 1, start)
+                    if hole > MAX_SEQ_JUMP:  # not a gap: a replay that answers nonsense, or a stream
+                        if self.state.kv.last_seq >= 0:  # joined far from 0 (then there is nothing to miss)
+                            with self.lock:
+                                self.state.kv.malformed += 1
+                                self.state.kv.last_error = (f"replay answered seq {seq} for a gap from {start}: "
+                                                            "past any plausible gap, ignored")
+                            continue
+                        hole = 0
                     if hole > 0:  # not in the answer either (dropped by the ROUTER, or past its buffer)
                         with self.lock:
                             self.state.kv.missed += hole

@@ -162,6 +162,7 @@ class VllmCache(StateWidget):
             label = h.hex()[:12] if isinstance(h, bytes) else str(h)[:12]
             lines.append(Text(f"   {label:<12} depth {depth:<4} {conts} continuations", style=pal.dim))
         lines.append(Text(f" batches {kv.received} live + {kv.replayed} replayed · gaps {kv.gaps} · "
-                          f"missed {kv.missed} · malformed {kv.malformed} · unknown events {c.unknown_events}",
+                          f"missed {kv.missed} · malformed {kv.malformed} · unknown events {c.unknown_events}"
+                          + (f" · seq resets {kv.resets}" if getattr(kv, "resets", 0) else ""),
                           style=pal.dim))
         return join_lines(lines)
