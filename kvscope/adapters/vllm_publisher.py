@@ -24,6 +24,7 @@ from kvscope.protocol.events import StepEvent
 
 ENCODINGS = ("map", "array")
 BUFFER_BATCHES = 10_000
+REPLAY_STALL_S = 10.0  # a replay client that reads nothing for this long is given up on
 MEDIUM = "GPU"
 
 
@@ -93,6 +94,8 @@ class VllmKvPublisher:
             self._router = ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, 64)
+            # A full peer queue makes send raise instead of dropping silently: the replay waits for room
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             try:
                 self._router.bind(replay_addr)
             except zmq.ZMQError:
@@ -105,6 +108,8 @@ class VllmKvPublisher:
         self._lock = threading.Lock()
         self._seq = 0
         self.batches = 0
+        self.replay_sends = 0  # replay requests answered
+        self.replays_cut = 0  # answers cut short: the client left or stopped reading for REPLAY_STALL_S
         self._stop = threading.Event()
         self._thread = None
         if self._router is not None:
@@ -162,9 +167,32 @@ class VllmKvPublisher:
             first = int.from_bytes(start, "big", signed=True)
             with self._lock:
                 todo = [(s, p) for s, p in self._buffer if s >= first]
+            self.replay_sends += 1
             for seq, payload in todo:
-                router.send_multipart([client, b"", encode_seq(seq), payload])
-            router.send_multipart([client, b"", encode_seq(END_SEQ), b""])
+                if not self._send_replay(router, [client, b"", encode_seq(seq), payload]):
+                    break  # the client is gone or stopped reading: what it lacks shows as a hole in its seqs
+            else:
+                self._send_replay(router, [client, b"", encode_seq(END_SEQ), b""])
+
+    def _send_replay(self, router, frames: list[bytes]) -> bool:
+        """Send one replay frame set with backpressure: wait for room in the client's queue (never drop),
+        up to REPLAY_STALL_S without progress; False when the client is gone or stalled (counted)."""
+        import zmq
+
+        deadline = time.monotonic() + REPLAY_STALL_S
+        while not self._stop.is_set():
+            try:
+                router.send_multipart(frames, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:  # its queue is full: wait until it reads
+                if time.monotonic() > deadline:
+                    break
+                router.poll(50, zmq.POLLOUT)  # room for some peer (maybe not this one): retry
+                self._stop.wait(0.001)
+            except zmq.ZMQError:  # EHOSTUNREACH: the client disconnected
+                break
+        self.replays_cut += 1
+        return False
 
     def close(self) -> None:
         self.flush()

@@ -17,7 +17,7 @@ from kvscope.adapters.vllm_wire import END_SEQ, WireError, decode_batch, decode_
 
 MAX_MESSAGE_BYTES = 16 << 20
 RECV_HWM = 10_000
-REPLAY_TIMEOUT_S = 2.0
+REPLAY_TIMEOUT_S = 5.0  # silence that ends a replay answer (a loaded publisher may pause a while)
 POLL_MS = 100
 # A seq this far from the last one is not a gap to replay (vLLM buffers 10,000 batches) but a publisher
 # that restarted or broke: the view says so and follows the new numbers instead of stalling on the old.
