@@ -24,6 +24,18 @@ def wait_for(cond, timeout: float = 20.0) -> bool:
     return cond()
 
 
+def live_connected(pub, source, timeout: float = 30.0) -> None:
+    """Wait until the SUB connection carries live batches (PUB drops what it sends to a joining
+    subscriber): empty batches until one arrives live, a condition rather than a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = source.state.kv.received
+        pub.publish([])
+        if wait_for(lambda: source.state.kv.received > before, 0.5):
+            return
+    raise AssertionError("no live batch arrived")
+
+
 @pytest.fixture
 def metrics_server():
     server = FakeMetricsServer()
@@ -152,12 +164,12 @@ def test_view_recovers_batches_published_before_it_started_and_after_a_gap(legac
         source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
         assert wait_for(lambda: source.state.kv.last_seq == 1), "replayed the batches it missed at start"
         assert source.state.cache.cached_blocks == 5
-        time.sleep(0.3)  # let the SUB connection settle (PUB drops messages to a joining subscriber)
-        pub.publish([pub.stored([5, 6], 4, medium="CPU")], ts=2.0)
-        assert wait_for(lambda: source.state.kv.last_seq == 2)
+        live_connected(pub, source)  # PUB drops messages to a joining subscriber: wait for live ones
+        seq = pub.publish([pub.stored([5, 6], 4, medium="CPU")], ts=2.0)
+        assert wait_for(lambda: source.state.kv.last_seq == seq)
         pub.publish([pub.removed([3])], ts=2.5, drop=True)  # lost on the PUB socket: only replay has it
-        pub.publish([pub.stored([7], 6)], ts=3.0)
-        assert wait_for(lambda: source.state.kv.last_seq == 4)
+        seq = pub.publish([pub.stored([7], 6)], ts=3.0)
+        assert wait_for(lambda: source.state.kv.last_seq == seq)
         with source.lock:
             cache = source.state.cache
             kv = source.state.kv
@@ -176,11 +188,12 @@ def test_view_survives_garbage_on_the_socket():
     pub = FakeKvPublisher(legacy=False)
     source = VllmSource(kv_events=pub.addr).start()
     try:
-        time.sleep(0.3)
-        for frames in ([b"only one frame"], [b"", b"short", b"x"], [b"", (0).to_bytes(8, "big"), b"\xc1"],
-                       [b"", (1).to_bytes(8, "big"), b"\x91" * 10_000]):
+        live_connected(pub, source)
+        n = pub.seq  # the next two seqs carry garbage payloads
+        for frames in ([b"only one frame"], [b"", b"short", b"x"], [b"", n.to_bytes(8, "big"), b"\xc1"],
+                       [b"", (n + 1).to_bytes(8, "big"), b"\x91" * 10_000]):
             pub.send_raw(frames)
-        pub.seq = 2
+        pub.seq = n + 2
         pub.publish([pub.stored([1], None)])
         assert wait_for(lambda: source.state.cache.cached_blocks == 1)
         assert source.state.kv.malformed == 4
@@ -265,7 +278,8 @@ def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding)
     checked = 0
     try:
         assert wait_for(lambda: source.state.kv.last_seq == pub.last_seq)
-        time.sleep(0.3)  # the SUB connection settles before live batches are checked
+        while engine.has_unfinished() and not wait_for(lambda: source.state.kv.received > 0, 0.2):
+            engine.step()  # until the SUB connection carries live batches (PUB drops to a joiner)
         while engine.has_unfinished():
             engine.step()
             if engine.scheduler.step_count % 5 == 0:
@@ -492,18 +506,6 @@ async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
         latency = app.screen.query_one("#vllm-latency").render().plain
     assert "running -" in queues and "KV cache -" in queues
     assert "TTFT" in latency and "+Inf" in latency
-
-
-def live_connected(pub, source, timeout: float = 30.0) -> None:
-    """Wait until the SUB connection carries live batches (PUB drops what it sends to a joining
-    subscriber): empty batches until one arrives live, a condition rather than a sleep."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        before = source.state.kv.received
-        pub.publish([])
-        if wait_for(lambda: source.state.kv.received > before, 0.5):
-            return
-    raise AssertionError("no live batch arrived")
 
 
 def test_a_seq_jump_to_near_2_63_is_a_visible_reset_and_the_view_follows():

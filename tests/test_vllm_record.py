@@ -30,6 +30,15 @@ from kvscope.traces.reader import TraceReader
 from tests.fakes.vllm import MODEL, FakeKvPublisher, FakeMetricsServer
 
 
+def wait_for(cond, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
 def _cache_fields(c: CacheView) -> dict:
     return {
         "blocks": [(wire_hash(h), None if n.parent is None else wire_hash(n.parent), n.medium, n.depth, n.children)
@@ -58,14 +67,27 @@ def _record_session(path, *, legacy: bool, ticks_per_chunk: int | None = None, m
     pub.publish([pub.stored([4], 2), pub.stored([8], 2)], ts=1.5)
     stop = threading.Event()
     box: dict = {}
+    sources: list[VllmSource] = []
+
+    class Watched(VllmSource):  # the recorder's own source, so the test waits on what it has seen
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            sources.append(self)
 
     def watch():
         box["rec"] = record_vllm(path, m.url, pub.addr, pub.replay_addr, interval=0.05, stop=stop, progress=False)
 
+    def until(cond, what: str) -> None:
+        assert wait_for(lambda: sources and cond(sources[0].state)), f"timed out waiting for {what}"
+
     t = threading.Thread(target=watch)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(vllm_record, "VllmSource", Watched)
     t.start()
     try:
-        time.sleep(0.6)  # the recorder replays what it missed, and its SUB socket settles
+        until(lambda st: st.kv.last_seq == 1, "the recorder to replay what it missed")
+        while not wait_for(lambda: sources[0].state.kv.received > 0, 0.5):
+            pub.publish([])  # its SUB socket is not carrying live batches yet (PUB drops to a joiner)
         pub.publish([pub.stored([5, 6], 4, medium="CPU")], ts=2.0)
         pub.publish([pub.removed([3])], ts=2.5, drop=True)  # lost on the PUB socket: a gap, recovered by replay
         pub.publish([pub.stored([b"\x07" * 32, (1 << 64) - 1], 6)], ts=3.0)  # a bytes hash, an int past int64
@@ -76,14 +98,19 @@ def _record_session(path, *, legacy: bool, ticks_per_chunk: int | None = None, m
             m.running.set(3 + i % 4)
             if i % 8 == 0:
                 pub.publish([pub.stored([100 + i], 1)], ts=3.0 + i * 0.1)
-            time.sleep(0.02)
+            time.sleep(0.02)  # pacing, so scrapes fall between the changes (nothing waits on it)
         m.running.set(9)
         m.waiting.set(2)
         m.kv.set(0.75)
-        time.sleep(0.4)
+        last = pub.seq - 1
+        until(lambda st: st.kv.last_seq == last and st.metrics.gauge("num_requests_running") == 9
+              and st.metrics.gauge("num_requests_waiting") == 2 and st.metrics.gauge("kv_cache_usage_perc") == 0.75
+              and sources[0].listener.step >= 48,  # ticks enough for several chunks of 8
+              "the last batch, the last gauges and 48 ticks to be recorded")
     finally:
         stop.set()
         t.join(timeout=30)
+        monkey.undo()
     return box["rec"], m, pub
 
 
