@@ -59,6 +59,8 @@ QUICK = [
     (["bench", "--modes", "chunked,turbo"], "unknown mode 'turbo'"),
     (["bench-features", "--experiments", "nope"], "unknown experiment 'nope'"),
     (["bench-features", "--json", "/no/such/dir/x.json"], "cannot write"),
+    (["bench-features", "--seed", "9223372036854775808"], "is outside [0, 9223372036854775807]"),
+    (["serve", "--seed", "-9223372036854775809"], "seed must be an integer"),
     (["record", "x.kvtrace", "--connect", "garbage"], "bad address 'garbage'"),
     (["record", "x.kvtrace", "--connect", "tcp://127.0.0.1:99999"], "bad port"),
     (["record", "/no/such/dir/x.kvtrace"], "cannot write"),

@@ -223,6 +223,9 @@ def _ask(srv, sock, *parts) -> tuple[dict, list]:
     ("unknown command", [msgpack.packb({"cmd": "explode"})], "unknown command"),
     ("wrong type", [msgpack.packb({"cmd": "burst", "args": {"n": "many"}})], "Expected `int`"),
     ("huge n", [msgpack.packb({"cmd": "burst", "args": {"n": 10**12}})], "<= 4096"),
+    ("uint64 n", [msgpack.packb({"cmd": "add", "args": {"workload": "chat", "n": 2**64 - 1}})], "<= 4096"),
+    ("negative prompt_len", [msgpack.packb({"cmd": "long", "args": {"prompt_len": -(2**63)}})], ">= 1"),
+    ("huge prompt_len", [msgpack.packb({"cmd": "long", "args": {"prompt_len": 2**63 - 1}})], "<= 1048576"),
 ])
 def test_every_bad_control_message_is_answered_and_never_reaches_the_engine(server, case, parts, fragment):
     srv, sock = server

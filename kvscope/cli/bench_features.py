@@ -21,7 +21,7 @@ class BenchFeatures(Command):
         p.add_argument("--device", default="cpu")
         p.add_argument("--scale", type=float_type(positive=True, hi=1000.0), default=1.0,
                        help="multiply request counts (default: 1)")
-        p.add_argument("--seed", type=int_type(0), default=0)
+        p.add_argument("--seed", type=int_type(0, (1 << 63) - 1), default=0)
         p.add_argument("--json", metavar="FILE", help="write results as JSON")
 
     def run(self, args: argparse.Namespace) -> int:
