@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvscope.engine.request import PRIORITY_MAX, PRIORITY_MIN
+from kvscope.protocol.events import INT64_MAX, INT64_MIN
 
 from .arrivals import ArrivalSpec, check_arrival
 from .checks import MAX_LEN, check_int, check_num, fail, is_int, is_num, key, short_repr
@@ -50,9 +50,10 @@ class WorkloadSpec:
             if not isinstance(p, (list, tuple)) or not 1 <= len(p) <= 1024 or not all(is_int(x) for x in p):
                 fail(f"priority_levels must be a non-empty list of integers or null, got {short_repr(p)}")
             for i, x in enumerate(p):
-                check_int(x, f"priority_levels[{i}]", lo=PRIORITY_MIN, hi=PRIORITY_MAX)
+                # the engine's rule (engine/request.py): an int64 whose negation is one too
+                check_int(x, f"priority_levels[{i}]", lo=-INT64_MAX, hi=INT64_MAX)
             self.priority_levels = list(p)
-        check_int(self.seed, "seed", lo=-(1 << 63), hi=(1 << 63) - 1)
+        check_int(self.seed, "seed", lo=INT64_MIN, hi=INT64_MAX)
         if not isinstance(self.description, str):
             fail(f"description must be a string, got {short_repr(self.description)}")
 
