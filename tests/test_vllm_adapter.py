@@ -478,7 +478,7 @@ NON_FINITE = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running
 
 def test_nan_and_inf_samples_are_counted_and_skipped():
     s = parse(NON_FINITE, 0.0)
-    assert s.gauges == {} and s.counters == {}
+    assert s.gauges == {} and "generation_tokens" not in s.counters
     assert s.buckets["time_to_first_token_seconds"] == [(float("inf"), 4.0)]
     assert s.skipped == 7
 
@@ -487,7 +487,8 @@ def test_nan_and_inf_samples_are_counted_and_skipped():
 async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
     """Values that reach a panel another way (an older recording, a crafted trace) never crash it."""
     from kvscope.adapters.vllm_metrics import Scrape
-    from kvscope.tui.vllm_app import VllmApp
+    from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import VllmFeed
 
     inf, nan = float("inf"), float("nan")
     source = VllmSource("http://127.0.0.1:9")
@@ -498,7 +499,7 @@ async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
             counters={"generation_tokens": inf * t if t else 0.0, "prefix_cache_queries": inf},
             buckets={"time_to_first_token_seconds": [(0.1, inf), (0.2, nan), (inf, inf * t or 1.0)],
                      "inter_token_latency_seconds": [(inf, 5.0 + t)]}))
-    app = VllmApp(source, auto_tick=False)
+    app = KvscopeApp([VllmFeed(source)], first="vllm", auto_tick=False)
     async with app.run_test(size=(100, 30)) as pilot:
         app.pump()
         await pilot.pause()

@@ -7,6 +7,8 @@ lock; ``pump`` copies what the screen draws only when it moved.
 
 from __future__ import annotations
 
+import math
+
 import os
 import time
 from typing import TYPE_CHECKING, Union
@@ -22,6 +24,10 @@ if TYPE_CHECKING:
 
 TOP_EVERY_S = 1.0  # the top-prefix list is the one costly piece: once a second is plenty
 
+
+
+def _finite(v):
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
 class VllmFeed:
@@ -82,16 +88,16 @@ class VllmFeed:
         m = self.view.metrics
         last = m.last
         gen = m.rate("generation_tokens")
-        self.spark.add(now, gen or 0.0)
-        running = m.gauge("num_requests_running")
-        waiting = m.gauge("num_requests_waiting")
-        total_pre = last.counters.get("num_preemptions") if last else None
+        self.spark.add(now, _finite(gen) or 0.0)
+        running = _finite(m.gauge("num_requests_running"))  # a server may send NaN or ±Inf: drawn as none
+        waiting = _finite(m.gauge("num_requests_waiting"))
+        total_pre = _finite(last.counters.get("num_preemptions")) if last else None
         return EngineRow(
             name=self.name, kind=self.kind, setup="vLLM", connection=self.health().connection,
             running=None if running is None else int(running), waiting=None if waiting is None else int(waiting),
-            kv_used=m.gauge("kv_cache_usage_perc", "gpu_cache_usage_perc"), tok_per_s=gen,
-            ttft_p99_s=m.percentiles("time_to_first_token_seconds")[2],
-            itl_p99_s=m.percentiles("inter_token_latency_seconds")[2],
+            kv_used=_finite(m.gauge("kv_cache_usage_perc", "gpu_cache_usage_perc")), tok_per_s=_finite(gen),
+            ttft_p99_s=_finite(m.percentiles("time_to_first_token_seconds")[2]),
+            itl_p99_s=_finite(m.percentiles("inter_token_latency_seconds")[2]),
             preemptions=None if total_pre is None else int(total_pre), spark=list(self.spark.points),
             health=self.health(),
         )
