@@ -6,6 +6,7 @@ import pytest
 
 from kvscope.engine.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.kv_events import BlockAllocated, BlockDeltaFold, BlockFreed, TableDropped
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
@@ -15,99 +16,132 @@ def test_blocks_needed():
     assert [blocks_needed(n, 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
 
 
+def _reqs(n: int) -> list[Request]:
+    return [Request(i, [1], SamplingParams(max_tokens=1), 0.0) for i in range(n)]
+
+
 def test_allocates_on_demand_one_block_at_a_time():
     bm = BlockManager(num_blocks=8, block_size=16)
-    assert bm.grow(0, 1) and len(bm.table(0)) == 1 and bm.num_free == 7
+    a, b = _reqs(2)
+    assert bm.grow(a, 1) and len(a.block_table) == 1 and bm.num_free == 7
     for n in range(2, 17):  # the rest of the first block needs nothing new
-        assert bm.new_blocks_for(0, n) == 0
-        assert bm.grow(0, n) and len(bm.table(0)) == 1
-    assert bm.new_blocks_for(0, 17) == 1
-    assert bm.grow(0, 17) and len(bm.table(0)) == 2 and bm.num_free == 6
-    assert bm.grow(0, 5) and len(bm.table(0)) == 2, "growing to fewer tokens never shrinks a table"
-    assert bm.grow(1, 40) and len(bm.table(1)) == 3
-    assert not set(bm.table(0)) & set(bm.table(1)), "two requests share a physical block"
+        assert bm.new_blocks_for(a, n) == 0
+        assert bm.grow(a, n) and len(a.block_table) == 1
+    assert bm.new_blocks_for(a, 17) == 1
+    assert bm.grow(a, 17) and len(a.block_table) == 2 and bm.num_free == 6
+    assert bm.grow(a, 5) and len(a.block_table) == 2, "growing to fewer tokens never shrinks a table"
+    assert bm.grow(b, 40) and len(b.block_table) == 3
+    assert not set(a.block_table) & set(b.block_table), "two requests share a physical block"
     assert bm.num_used == 5 and bm.num_free == 3
+    assert bm.table(0) is a.block_table, "the block table lives on the request"
     bm.check_invariants()
 
 
 def test_grow_is_all_or_nothing():
     bm = BlockManager(num_blocks=4, block_size=4)
-    assert bm.grow(0, 8)
-    assert not bm.can_grow(1, 12) and not bm.grow(1, 12)
-    assert 1 not in bm.tables and bm.num_free == 2, "a failed grow must not keep a partial allocation"
-    assert bm.can_grow(1, 8) and bm.grow(1, 8) and bm.num_free == 0
-    assert not bm.grow(0, 9)
-    assert len(bm.table(0)) == 2
+    a, b = _reqs(2)
+    assert bm.grow(a, 8)
+    assert not bm.can_grow(b, 12) and not bm.grow(b, 12)
+    assert b.block_table == [] and 1 not in bm.tables and bm.num_free == 2, \
+        "a failed grow must not keep a partial allocation"
+    assert bm.can_grow(b, 8) and bm.grow(b, 8) and bm.num_free == 0
+    assert not bm.grow(a, 9)
+    assert len(a.block_table) == 2
     bm.check_invariants()
+
+
+def _deltas(bm: BlockManager, fold: BlockDeltaFold):
+    return fold.fold(bm.take_events())
 
 
 def test_free_returns_blocks_and_logs_deltas():
     bm = BlockManager(num_blocks=6, block_size=2)
-    bm.grow(0, 5)
-    bm.grow(1, 2)
-    deltas = bm.drain_deltas()
-    assert deltas.alloc == [(b, 0) for b in bm.table(0)] + [(b, 1) for b in bm.table(1)]
-    owned = list(bm.table(0))
-    bm.free(0)
-    assert bm.num_free == 5 and bm.table(0) == []
-    deltas = bm.drain_deltas()
+    fold = BlockDeltaFold(bm.num_blocks)
+    a, b, c = _reqs(3)
+    bm.grow(a, 5)
+    bm.grow(b, 2)
+    deltas = _deltas(bm, fold)
+    assert deltas.alloc == [(x, 0) for x in a.block_table] + [(x, 1) for x in b.block_table]
+    owned = list(a.block_table)
+    bm.free(a)
+    assert bm.num_free == 5 and a.block_table == [] and bm.table(0) == []
+    deltas = _deltas(bm, fold)
     assert sorted(deltas.freed) == sorted(owned) and deltas.alloc == []
-    assert bm.drain_deltas().freed == [], "deltas are drained once"
-    bm.free(0)  # freeing an unknown request is a no-op
-    assert bm.num_free == 5
-    bm.free(1)
+    assert bm.take_events() == [] and _deltas(bm, fold).freed == [], "the queue is drained once"
+    bm.free(a)  # freeing a request that holds nothing is a no-op
+    assert bm.num_free == 5 and bm.take_events() == []
+    bm.free(b)
     assert bm.num_free == bm.num_blocks
     bm.check_invariants()
     # freed blocks are handed out again
-    assert bm.grow(2, 12) and bm.num_free == 0
+    assert bm.grow(c, 12) and bm.num_free == 0
     bm.check_invariants()
+
+
+def test_the_queue_records_every_change_in_order():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = _reqs(2)
+    bm.grow(a, 3)
+    bm.free(a)
+    assert bm.take_events() == [BlockAllocated(0, 0), BlockAllocated(1, 0), TableDropped(0), BlockFreed(1),
+                                BlockFreed(0)]
+    bm.grow(b, 1)
+    assert bm.take_events() == [BlockAllocated(2, 1)]
 
 
 def test_check_invariants_catches_a_double_free():
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm.grow(0, 8)
+    (a,) = _reqs(1)
+    bm.grow(a, 8)
     bm.check_invariants()
     # a block pushed back onto the free list while its owner still holds it
-    bm._free.append(bm.table(0)[0])
+    bm.pool.free.append(a.block_table[0])
     with pytest.raises(AssertionError):
         bm.check_invariants()
 
 
 def test_check_invariants_catches_refcount_drift():
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm.grow(0, 4)
-    bm.ref_counts[bm.table(0)[0]] = 2
+    (a,) = _reqs(1)
+    bm.grow(a, 4)
+    bm.ref_counts[a.block_table[0]] = 2
     with pytest.raises(AssertionError):
         bm.check_invariants()
 
 
 def test_check_invariants_catches_a_leaked_block():
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm.grow(0, 4)
-    bm.tables.pop(0)  # forgotten without being freed: not free, yet nobody owns it
+    (a,) = _reqs(1)
+    bm.grow(a, 4)
+    bm.holders.pop(0)  # forgotten without being freed: not free, yet nobody owns it
     with pytest.raises(AssertionError):
         bm.check_invariants()
 
 
 def test_freeing_a_block_twice_raises():
     bm = BlockManager(num_blocks=4, block_size=4)
-    bm.grow(0, 4)
-    bm.tables[1] = list(bm.table(0))  # a second owner the refcount does not know about
-    bm.free(0)
+    a, b = _reqs(2)
+    bm.grow(a, 4)
+    bm.grow(b, 0)  # b holds an empty table...
+    b.block_table = list(a.block_table)  # ...then a second owner the refcount does not know about
+    bm.free(a)
     with pytest.raises(AssertionError, match="freed twice"):
-        bm.free(1)
+        bm.free(b)
 
 
 def test_tail_waste_is_the_unfilled_part_of_the_last_block():
     bm = BlockManager(num_blocks=16, block_size=16)
-    bm.grow(0, 17)
-    bm.set_filled(0, 17)
-    bm.grow(1, 32)
-    bm.set_filled(1, 32)
+    a, b = _reqs(2)
+    bm.grow(a, 17)
+    bm.commit(a, 17)
+    bm.grow(b, 32)
+    bm.commit(b, 32)
+    assert a.num_computed_tokens == 17, "committing KV is what advances a request's computed tokens"
     kv = bm.counters()
     assert (kv.total, kv.used, kv.free) == (16, 4, 12)
     assert kv.token_slots == 49
     assert kv.tail_waste == 15 and kv.reserve_waste == 0
+    bm.check_invariants()
 
 
 def _drive(mode: str, prompt_lens, max_tokens: int, block_size: int = 16):

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from kvscope.engine.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.kv_events import BlockCopied, BlockDeltaFold, BlockRemoved
 from kvscope.engine.policies import SJF, remaining_work
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.sampling_params import SamplingParams
@@ -43,14 +44,19 @@ PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 class CheckedBlockManager(BlockManager):
     """Asserts, at the moment of allocation, that the block taken is unreferenced."""
 
-    def _take(self, req_id: int) -> int:
-        if not self._free and self._evictable:
-            victim = next(iter(self._evictable))
-            assert self.ref_counts[victim] == 0, "eviction took a referenced block"
-        block = super()._take(req_id)
-        assert self.ref_counts[block] == 1
-        assert sum(block in t for t in self.tables.values()) == 0, "allocated a block still in a table"
-        return block
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pool, take = self.pool, self.pool.take
+
+        def checked_take(req_id: int, keep: int | None = None) -> int:
+            if not pool.free:
+                assert all(pool.ref_counts[b] == 0 for b in pool.evictable), "eviction could take a referenced block"
+            block = take(req_id, keep)
+            assert pool.ref_counts[block] == 1 and block != keep
+            assert sum(block in t for t in self.tables.values()) == 0, "allocated a block still in a table"
+            return block
+
+        pool.take = checked_take
 
 
 @dataclass
@@ -182,7 +188,7 @@ def simulate(sc) -> dict:
             for pos in range(s.start_pos, s.start_pos + len(s.token_ids)):
                 block = s.block_table[pos // bs]
                 assert bm.ref_counts[block] == 1, "a write into a shared block (copy-on-write missing)"
-                assert bm.block_hash[block] is None, "a write into a cached prefix block"
+                assert bm.prefix_key(block) is None, "a write into a cached prefix block"
         for src, dst in out.blocks_to_copy:
             # (src may have been evicted and handed out later in the step: copies run before any write)
             assert src != dst and bm.ref_counts[dst] == 1
@@ -256,26 +262,34 @@ def test_fixed_scenario_priority_preempts_for_arrival():
     assert stats["arrival_preemptions"] >= 1
 
 
+def _req(i: int, tokens: list[int]) -> Request:
+    return Request(i, tokens, SamplingParams(max_tokens=1), 0.0)
+
+
 def test_lru_eviction_order_and_revival():
     bm = BlockManager(4, 2, enable_caching=True)
-    for r, toks in enumerate(([1, 2], [3, 4])):
-        assert bm.admit(r, [], 0, 2)
-        bm.set_filled(r, 2, toks)
-    bm.free(0)
-    bm.free(1)
+    fold = BlockDeltaFold(bm.num_blocks)
+    first = [_req(r, toks) for r, toks in enumerate(([1, 2], [3, 4]))]
+    for req in first:
+        assert bm.admit(req, [], 0, 2)
+        bm.commit(req, 2)
+    bm.free(first[0])
+    bm.free(first[1])
     assert bm.num_cached == 2 and bm.num_free == 4
     assert len(bm.match_prefix([1, 2, 9])) == 1
     hits = bm.match_prefix([3, 4, 5])
     assert len(hits) == 1
-    assert bm.admit(2, hits, 2, 3)  # revives the [3, 4] block, adds one more
+    assert bm.admit(_req(2, [3, 4, 5]), hits, 2, 3)  # revives the [3, 4] block, adds one more
     assert bm.ref_counts[hits[0]] == 1 and bm.num_cached == 1
-    bm.drain_deltas()  # a step boundary
+    fold.fold(bm.take_events())  # a step boundary
     # two more blocks: one plain free block, then the least recently released cached one ([1, 2])
-    assert bm.grow(3, 4)
+    assert bm.grow(_req(3, [5]), 4)
     assert bm.num_cached == 0 and bm.evictions == 1
     assert bm.match_prefix([1, 2]) == []
     bm.check_invariants()
-    deltas = bm.drain_deltas()
+    events = bm.take_events()
+    assert [type(e) for e in events].count(BlockRemoved) == 1, "the eviction is in the queue, by key"
+    deltas = fold.fold(events)
     evicted = [b for b, _ in deltas.alloc if b in deltas.freed]
     assert len(evicted) == 1, "an evicted cached block leaves the cache through freed (and is reused)"
 
@@ -283,15 +297,18 @@ def test_lru_eviction_order_and_revival():
 def test_full_prompt_hit_copies_the_last_block():
     bm = BlockManager(6, 4, enable_caching=True)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    assert bm.admit(0, [], 0, 8)
-    bm.set_filled(0, 8, prompt)
+    a, b = _req(0, prompt), _req(1, prompt)
+    assert bm.admit(a, [], 0, 8)
+    bm.commit(a, 8)
     hits = bm.match_prefix(prompt)
     assert len(hits) == 2
+    bm.take_events()
     # computed = 7: the write of token 8 lands in the second block, which is copied
-    assert bm.admit(1, hits, 7, 8)
-    t0, t1 = bm.table(0), bm.table(1)
+    assert bm.admit(b, hits, 7, 8) and b.num_computed_tokens == 7
+    t0, t1 = a.block_table, b.block_table
     assert t1[0] == t0[0] and t1[1] != t0[1]
     assert bm.pop_copies() == [(t0[1], t1[1])] and bm.cow_copies == 1
+    assert BlockCopied(t0[1], t1[1], 1) in bm.take_events(), "the copy is in the queue"
     assert bm.ref_counts[t0[0]] == 2 and bm.ref_counts[t0[1]] == 1
     bm.check_invariants()
     assert blocks_needed(8, 4) == 2

@@ -21,7 +21,9 @@ def random_step(rng: random.Random, block_size: int, pad: bool) -> SchedulerOutp
         blocks = -(-(start + n) // block_size) + rng.randint(0, 2)  # a table may run past the tokens
         table = [rng.randrange(NUM_BLOCKS) for _ in range(blocks)]
         if n == 1 and rng.random() < 0.5 and not out.other_seqs:
-            out.add_decode(req, start, rng.randrange(1000), table)  # the scheduler's decode columns
+            d = out.decodes  # the scheduler's decode columns, filled as it fills them
+            d.req_ids.append(req), d.positions.append(start), d.token_ids.append(rng.randrange(1000))
+            d.block_tables.append(table)
         else:
             out.add(ScheduledSeq(req, [rng.randrange(1000) for _ in range(n)], start, table,
                                  sample=rng.random() < 0.7, is_prefill=n > 1))

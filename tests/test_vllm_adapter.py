@@ -264,7 +264,7 @@ def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding)
     engine = LLMEngine(EngineConfig(backend="sim", model="qwen3-0.6b", gpu="h200", prefix_caching=True,
                                     num_blocks=48, max_num_seqs=8, max_num_batched_tokens=128, seed=0))
     pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=engine.config.block_size, encoding=encoding)
-    engine.block_manager.cache_events = pub
+    engine.kv_event_consumers.append(pub.consume)
     engine.attach(pub)
     rng = random.Random(3)
     prefixes = [[rng.randrange(10, 1000) for _ in range(64)] for _ in range(3)]

@@ -1,9 +1,11 @@
 """kvscope's own prefix cache, published as vLLM KV events (`kvscope serve --kv-events-vllm ADDR`).
 
-The block hash is kvscope's prefix key. The block manager reports each key as it is
-registered (BlockStored, with its parent key and the block's token ids) and as it is
-evicted (BlockRemoved); this publisher batches them per scheduler step, as vLLM does,
-and sends each batch as ``topic | seq | payload`` on a PUB socket. With a replay
+The block hash is kvscope's prefix key: 16 bytes, the first 128 bits of a sha256 chained
+from the parent block's key (kvscope.engine.prefix_cache), sent as a bytes hash as vLLM
+sends its sha256 keys. The engine hands ``consume`` its block manager's drained queue once
+per step (``LLMEngine.kv_event_consumers``); the BlockStored (with the parent key and the
+block's token ids) and BlockRemoved records in it become this publisher's batch for the
+step, as vLLM batches, sent as ``topic | seq | payload`` on a PUB socket. With a replay
 address a ROUTER answers ``b"" | start seq`` with every buffered batch from there on,
 then seq -1, exactly as vLLM's ZmqEventPublisher. Tools written for vLLM's events (a
 KV-aware router, kvscope's own vLLM view) can consume it.
@@ -20,6 +22,7 @@ from collections import deque
 import msgspec
 
 from kvscope.adapters.vllm_wire import END_SEQ, SEQ_BYTES, encode_seq
+from kvscope.engine.kv_events import BlockRemoved, BlockStored
 from kvscope.protocol.events import StepEvent
 
 ENCODINGS = ("map", "array")
@@ -29,8 +32,8 @@ MEDIUM = "GPU"
 
 
 class _Stored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -39,7 +42,7 @@ class _Stored(msgspec.Struct, tag="BlockStored"):
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     medium: str | None
 
 
@@ -64,7 +67,7 @@ class _BatchA(msgspec.Struct, array_like=True):
 
 
 class VllmKvPublisher:
-    """Block-manager cache listener + event sink; binds PUB (and ROUTER) on loopback unless allowed."""
+    """Consumer of the block manager's event queue + event sink; binds PUB (and ROUTER) on loopback unless allowed."""
 
     def __init__(self, addr: str, replay_addr: str | None = None, *, block_size: int, encoding: str = "map",
                  allow_remote: bool = False, topic: str = "", data_parallel_rank: int = 0) -> None:
@@ -121,13 +124,15 @@ class VllmKvPublisher:
         """Sequence number of the last batch sent (-1 before the first)."""
         return self._seq - 1
 
-    # -- the block manager's listener -----------------------------------------------
-    def stored(self, key: int, parent: int | None, token_ids: tuple[int, ...]) -> None:
-        cls = _StoredA if self.array else _Stored
-        self._pending.append(cls([key], parent, list(token_ids), self.block_size, None, MEDIUM, None))
-
-    def removed(self, key: int) -> None:
-        self._pending.append((_RemovedA if self.array else _Removed)([key], MEDIUM))
+    # -- the block manager's queue, one step's records ------------------------------
+    def consume(self, kv_events: list) -> None:
+        stored, removed = (_StoredA, _RemovedA) if self.array else (_Stored, _Removed)
+        for ev in kv_events:
+            if type(ev) is BlockStored:
+                self._pending.append(stored([ev.key], ev.parent, list(ev.token_ids), self.block_size, None, MEDIUM,
+                                            None))
+            elif type(ev) is BlockRemoved:
+                self._pending.append(removed([ev.key], MEDIUM))
 
     # -- the event sink ---------------------------------------------------------------
     def publish(self, event) -> None:

@@ -112,7 +112,7 @@ def _serve(args, config, publisher, control, front) -> int:
         vllm_publisher = open_socket("bind", args.kv_events_vllm, lambda: VllmKvPublisher(
             args.kv_events_vllm, args.kv_replay_vllm, block_size=engine.config.block_size,
             encoding=args.kv_events_vllm_encoding, allow_remote=args.allow_remote))
-        engine.block_manager.cache_events = vllm_publisher
+        engine.kv_event_consumers.append(vllm_publisher.consume)
         sinks.append(vllm_publisher)
     if sinks:
         from kvscope.protocol.sinks import FanOut

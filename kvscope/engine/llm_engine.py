@@ -11,6 +11,7 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
 from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.engine.kv_events import BlockDeltaFold
 from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request, priority_problem
 from kvscope.engine.sampling_params import SamplingParams
@@ -63,7 +64,12 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching,
-                                          sliding_window=self.loaded.attention.uniform_window)
+                                          sliding_window=self.loaded.attention.uniform_window,
+                                          salt=f"{config.model}|{self.dtype}|{config.block_size}".encode())
+        # the block manager's queue of what changed, drained once per step: the step event's block
+        # deltas come from it, and so does every consumer here (the vLLM KV-event publisher)
+        self.block_deltas = BlockDeltaFold(num_blocks)
+        self.kv_event_consumers: list = []
         num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
         self.runner = self.backend.make_runner(num_blocks, self.max_model_len)
@@ -217,7 +223,10 @@ class LLMEngine:
         finished += outputs.after_update(sched, sampled_reqs, finished, getattr(self.runner, "logprobs", None),
                                          t_end)
         self.num_preemptions += len(out.preempted)
-        deltas = self.block_manager.drain_deltas()
+        kv_events = self.block_manager.take_events()
+        deltas = self.block_deltas.fold(kv_events)
+        for consume in self.kv_event_consumers:
+            consume(kv_events)
         kv = sched.kv_counters()
         allocated = kv.used * self.config.block_size
         if allocated:
@@ -250,7 +259,8 @@ class LLMEngine:
             self._last_snapshot_t = self.now()
 
     def snapshot(self) -> SnapshotEvent:
-        return telemetry.snapshot_event(self.scheduler, self.block_manager, self.scheduler.step_count, self.now())
+        return telemetry.snapshot_event(self.scheduler, self.block_manager, self.block_deltas.view,
+                                        self.scheduler.step_count, self.now())
 
     def close(self, reason: str = "drained") -> None:
         if self.sink is not None:

@@ -3,7 +3,9 @@
 All scheduled tokens of all sequences go into one row of input ids (varlen
 packing, no padding; built by kvscope.engine.inputs). Static mode's padding rows
 are computed too, as a padded server would, over a scratch area of the cache that
-no request owns.
+no request owns. The cache's rows are the pool's blocks, then the null block (the block
+manager's ``null_block``, standing in for blocks a sliding window released; only read
+at masked positions), then the scratch blocks.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_scratch_blocks = blocks_needed(scratch_tokens, block_size)
-        shape = (loaded.num_layers, 2, num_blocks + self.num_scratch_blocks, block_size, loaded.num_kv_heads,
-                 loaded.head_dim)
+        rows = num_blocks + 1 + self.num_scratch_blocks  # the pool, the null block, the scratch blocks
+        shape = (loaded.num_layers, 2, rows, block_size, loaded.num_kv_heads, loaded.head_dim)
         # On CPU the pool's pages are committed as blocks are first written, not all at start-up.
         self.kv_cache = (zeroed_cpu_tensor(shape, dtype) if device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=device))
         self.ops = select_attention_ops(device.type)
-        self.inputs = InputBuilder(block_size, num_blocks, self.num_scratch_blocks, device)
+        self.inputs = InputBuilder(block_size, num_blocks + 1, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)
         # of the last run(): the logprobs asked for, and the rows that could not be sampled

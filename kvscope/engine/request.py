@@ -77,6 +77,12 @@ class Request:
     detokenizer: object | None = None  # an IncrementalDetokenizer when params.detokenize
     logprobs: list | None = None  # a TokenLogprobs per output token, when params.logprobs is set
     error: str | None = None  # finish reason "error": what went wrong
+    # KV blocks (kept by engine/block_manager.py): logical block i holds positions i*bs ..; the
+    # first num_released_blocks left a sliding window and hold the null block. block_hashes: the
+    # prefix-cache keys of its full blocks so far (with prefix caching).
+    block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvscope.engine.block_manager import BlockManager, blocks_needed
-from kvscope.engine.config import EngineConfig
+from kvscope.engine.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, EngineConfig, Mode
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.policies import Policy, load_policy
 from kvscope.engine.request import Request, RequestStatus
@@ -38,6 +38,9 @@ from kvscope.protocol.events import (
     BLOCKED_SEQS,
     BLOCKED_STATIC,
     FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_MAX_MODEL_LEN,
+    FINISH_STOP,
     VERDICT_ADMITTED,
     VERDICT_BLOCKED,
     VERDICT_IDLE,
@@ -46,17 +49,11 @@ from kvscope.protocol.events import (
 )
 
 
-def _decoding(req: Request) -> bool:
-    """req.is_decode, inline (read for every running request every step)."""
-    tokens = req.token_ids
-    return len(tokens) - req.num_computed_tokens == 1 and len(tokens) > len(req.prompt_token_ids)
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  num_cpu_blocks: int = 0) -> None:
         self.config = config
-        self.mode = config.mode
+        self.mode = Mode(config.mode)
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = config.effective_max_num_seqs
@@ -69,7 +66,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self._finished_since_last: list[int] = []
-        self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == "swap" else None
+        self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == PREEMPT_SWAP else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         # Queue membership as id lists for the step event, rebuilt only when a queue changed
         # (bumped on every change here; the length and ends also key it, as a safety net).
@@ -136,22 +133,23 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, reason: str = BLOCKED_KV) -> None:
         self.running.remove(victim)
-        mode = "recompute"
+        mode = PREEMPT_RECOMPUTE
         pool = self.swap_pool
-        kept = self.bm.computed_blocks(victim.req_id, victim.num_computed_tokens)
+        kept = self.bm.computed_blocks(victim)
         keep = len(kept)
         # A request admitted this step may still wait on a copy-on-write copy: recompute it.
         if pool is not None and keep and pool.can_hold(keep) and victim.req_id not in out.admitted:
-            mode = "swap"
+            mode = PREEMPT_SWAP
             out.blocks_to_swap_out.extend(pool.swap_out(victim.req_id, kept))
             out.swaps.append((victim.req_id, "out", keep))
+        self.bm.free(victim)
+        if mode == PREEMPT_SWAP:
             victim.status = RequestStatus.SWAPPED
         else:
             victim.status = RequestStatus.PREEMPTED
             victim.num_recomputed_tokens += victim.num_computed_tokens
             self.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0  # recompute: prompt and outputs are prefilled again
-        self.bm.free(victim.req_id)
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         self._queues_version += 1
@@ -175,7 +173,7 @@ class Scheduler:
                 req_id=req.req_id,
                 token_ids=req.token_ids[start : start + n],
                 start_pos=start,
-                block_table=list(self.bm.table(req.req_id)),
+                block_table=list(req.block_table),
                 sample=start + n == req.num_tokens,
                 is_prefill=not req.is_decode,
             )
@@ -187,9 +185,9 @@ class Scheduler:
         out = SchedulerOutput(step=self.step_count, budget=self.budget, finished_req_ids=self._finished_since_last)
         self._finished_since_last = []
         self._reorder()
-        if self.mode == "static":
+        if self.mode is Mode.STATIC:
             self._schedule_static(out, now)
-        elif self.mode == "chunked":
+        elif self.mode is Mode.CHUNKED:
             self._schedule_chunked(out, now)
         else:
             self._schedule_prefill_first(out, now)
@@ -198,7 +196,7 @@ class Scheduler:
 
     def _grow_or_preempt(self, req: Request, total_tokens: int, out: SchedulerOutput) -> bool:
         """Find blocks for req by preempting the newest running requests; False if req itself was the victim."""
-        while not self.bm.grow(req.req_id, total_tokens):
+        while not self.bm.grow(req, total_tokens):
             victim = self._pick(self.policy.victim(list(self.running), req), "victim")
             self._preempt(victim, out)
             if victim is req:
@@ -212,7 +210,7 @@ class Scheduler:
         head = self.waiting[0]
         if len(self.running) >= self.max_num_seqs:
             reason = BLOCKED_SEQS
-        elif budget_left <= 0 or (self.mode != "chunked" and out.num_seqs and head.num_remaining > budget_left):
+        elif budget_left <= 0 or (self.mode is not Mode.CHUNKED and out.num_seqs and head.num_remaining > budget_left):
             reason = BLOCKED_BUDGET
         else:
             reason = BLOCKED_KV
@@ -258,9 +256,9 @@ class Scheduler:
                 n = min(left, budget_left)
             swapped = head.status is RequestStatus.SWAPPED
             if swapped or not self.bm.enable_caching:
-                ok = self.bm.grow(head.req_id, computed + n, computed)
+                ok = self.bm.grow(head, computed + n)  # computed: head.num_computed_tokens
             else:
-                ok = self.bm.admit(head.req_id, hits, computed, computed + n)
+                ok = self.bm.admit(head, hits, computed, computed + n)  # head now has `computed` computed
             if not ok:
                 if self._preempt_for(head, out):
                     budget_left = self.budget - out.num_tokens
@@ -272,7 +270,6 @@ class Scheduler:
                 self.bm.record_lookup(head.num_tokens, computed)
                 if head.first_scheduled is None:
                     head.num_cached_tokens = computed
-                head.num_computed_tokens = computed
                 if computed:
                     # blocks shared or revived: none before the window of a sliding-window model
                     out.hits.append((head.req_id, computed, len(hits) - self.bm.outside_window(computed)))
@@ -289,11 +286,11 @@ class Scheduler:
     def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
         """req has fresh GPU blocks: copy its KV back from the CPU pool into the first of them."""
         pool = self.swap_pool
-        table = self.bm.tables[req.req_id]  # held blocks: with a sliding window, from the window on
+        held = self.bm.held(req)  # with a sliding window, from the window on
         k = len(pool.tables[req.req_id])
-        out.blocks_to_swap_in.extend(pool.swap_in(req.req_id, table[:k]))
+        out.blocks_to_swap_in.extend(pool.swap_in(req.req_id, held[:k]))
         out.swaps.append((req.req_id, "in", k))
-        self.bm.set_filled(req.req_id, req.num_computed_tokens, req.token_ids)
+        self.bm.commit(req, req.num_computed_tokens)  # its KV is back: register its full blocks
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         self._admit_waiting(out, now, self.budget, whole_prompts=True)
@@ -303,7 +300,7 @@ class Scheduler:
         # of them) on the fast path, then the rest one by one, keeping the order.
         running = list(self.running)
         lead = 0
-        while lead < len(running) and _decoding(running[lead]):
+        while lead < len(running) and running[lead].is_decode:
             lead += 1
         self._schedule_decodes(out, running[:lead], budget_left=lead + 1)
         for req in running[lead:]:
@@ -319,7 +316,7 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for req in self.running:
-            (decodes if _decoding(req) else prefills).append(req)
+            (decodes if req.is_decode else prefills).append(req)
         self._schedule_decodes(out, decodes, self.budget)
         budget_left = self.budget - out.num_tokens  # preemptions may have returned budget
         for req in prefills:
@@ -338,10 +335,8 @@ class Scheduler:
         """One token for each decoding request, in order, within the budget. The fast path: the block
         manager is asked only by a request whose next token starts a new block."""
         bs = self.bm.block_size
-        # the logical table; with a sliding window the held blocks start at the window, so ask for it
-        table_of = self.bm.table if self.bm.sliding_window is not None else self.bm.tables.get
         running = RequestStatus.RUNNING
-        d = out.decodes  # out.add_decode, inline; a preemption below drops from these same lists
+        d = out.decodes  # a preemption below drops from these same lists
         ids, positions, token_ids, block_tables = d.req_ids, d.positions, d.token_ids, d.block_tables
         for req in decodes:
             if budget_left <= 0:
@@ -349,11 +344,10 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted earlier in this loop
             start = req.num_computed_tokens
-            table = table_of(req.req_id)
-            if not table or start >= len(table) * bs:
+            table = req.block_table
+            if start >= len(table) * bs:
                 if not self._grow_or_preempt(req, start + 1, out):
                     continue
-                table = table_of(req.req_id)
             ids.append(req.req_id)
             positions.append(start)
             token_ids.append(req.token_ids[start])
@@ -379,7 +373,7 @@ class Scheduler:
             reserve = min(head.num_prompt_tokens + head.params.max_tokens, self.max_model_len)
             if blocks_needed(reserve, self.bm.block_size) > self.bm.num_free:
                 break
-            self.bm.grow(head.req_id, reserve)
+            self.bm.grow(head, reserve)
             self._admit(head, now)
             out.admitted.append(head.req_id)
         if self.waiting:
@@ -399,71 +393,54 @@ class Scheduler:
         """Apply a step's results; returns requests that finished (and were released) this step."""
         finished: list[Request] = []
         requests = self.requests
-        set_filled = self.bm.set_filled
-        max_len = self.max_model_len
         # Decodes first, as they ran: the fast path (one token each, always sampled).
-        decoded = out.decodes.req_ids
-        per_request = self.bm.enable_caching or self.bm.sliding_window is not None
-        if not per_request:
-            self.bm.add_one_filled(decoded)  # set_filled for each, in one call
-        for req_id in decoded:
-            req = requests[req_id]
-            computed = req.num_computed_tokens + 1
-            req.num_computed_tokens = computed
-            tokens = req.token_ids
-            if per_request:
-                set_filled(req_id, computed, tokens)
-            token = sampled[req_id]
-            tokens.append(token)  # req.append_token, inline
+        decoded = [requests[r] for r in out.decodes.req_ids]
+        self.bm.commit_decodes(decoded)
+        for req in decoded:
+            token = sampled[req.req_id]
+            req.token_ids.append(token)  # req.append_token, inline
             req.token_times.append(now)
-            params = req.params  # the common case, inline: no stop token, no limit reached
-            if ((params.ignore_eos or token not in eos_token_ids)
-                    and len(tokens) - len(req.prompt_token_ids) < params.max_tokens and len(tokens) < max_len):
-                continue
-            self._stop_if_done(req, token, now, eos_token_ids, finished)
+            reason = self._stop_reason(req, token, eos_token_ids)
+            if reason is not None:
+                self._finish(req, reason, now, finished)
+        commit = self.bm.commit
         for seq in out.other_seqs:
             req = requests[seq.req_id]
-            computed = req.num_computed_tokens + len(seq.token_ids)
-            req.num_computed_tokens = computed
-            tokens = req.token_ids
-            set_filled(seq.req_id, computed, tokens)
+            commit(req, req.num_computed_tokens + len(seq.token_ids))
             if seq.is_prefill:
                 req.num_prefill_chunks += 1
             if not seq.sample:
                 continue
             token = sampled[seq.req_id]
             req.append_token(token, now)
-            params = req.params
-            if ((params.ignore_eos or token not in eos_token_ids)
-                    and len(tokens) - len(req.prompt_token_ids) < params.max_tokens and len(tokens) < max_len):
-                continue
-            self._stop_if_done(req, token, now, eos_token_ids, finished)
-        if self.mode == "static" and self.running and all(r.done_generating for r in self.running):
+            reason = self._stop_reason(req, token, eos_token_ids)
+            if reason is not None:
+                self._finish(req, reason, now, finished)
+        if self.mode is Mode.STATIC and self.running and all(r.done_generating for r in self.running):
             for req in list(self.running):
                 self._release(req, now)
                 finished.append(req)
         return finished
 
-    def _stop_if_done(self, req: Request, token: int, now: float, eos_token_ids: frozenset[int],
-                      finished: list[Request]) -> None:
-        reason = self._stop_reason(req, token, eos_token_ids)
-        if reason is None:
-            return
+    def _stop_reason(self, req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
+        """The one stop check, after each sampled token: why req ends here, or None."""
+        params = req.params
+        if token in eos_token_ids and not params.ignore_eos:
+            return FINISH_STOP
+        n = len(req.token_ids)
+        if n - len(req.prompt_token_ids) >= params.max_tokens:
+            return FINISH_LENGTH
+        if n >= self.max_model_len:
+            return FINISH_MAX_MODEL_LEN
+        return None
+
+    def _finish(self, req: Request, reason: str, now: float, finished: list[Request]) -> None:
         req.finish_reason = reason
-        if self.mode == "static":
+        if self.mode is Mode.STATIC:
             req.done_generating = True  # the row keeps its slot until the batch ends
         else:
             self._release(req, now)
             finished.append(req)
-
-    def _stop_reason(self, req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
-        if not req.params.ignore_eos and token in eos_token_ids:
-            return "stop"
-        if req.num_output_tokens >= req.params.max_tokens:
-            return "length"
-        if req.num_tokens >= self.max_model_len:
-            return "max_model_len"
-        return None
 
     # ---- abort ------------------------------------------------------------------------
     def abort(self, req_id: int, now: float, reason: str = FINISH_ABORT) -> Request | None:
@@ -480,7 +457,7 @@ class Scheduler:
                 self.swap_pool.drop(req_id)
         self._queues_version += 1
         req.finish_reason = reason
-        self.bm.free(req.req_id)
+        self.bm.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
         self._finished_since_last.append(req.req_id)
@@ -490,7 +467,7 @@ class Scheduler:
     def _release(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self._queues_version += 1
-        self.bm.free(req.req_id)
+        self.bm.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
         self._finished_since_last.append(req.req_id)

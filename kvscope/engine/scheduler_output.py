@@ -28,8 +28,8 @@ class ScheduledSeq:
 class DecodeBatch:
     """One-token decodes, column by column: each samples its next token.
 
-    The block tables are the block manager's own lists, valid for this step (nothing changes
-    them between schedule() and the end of the forward); copy one to keep it.
+    The block tables are the requests' own lists (``Request.block_table``), valid for this step
+    (nothing changes them between schedule() and the end of the forward); copy one to keep it.
     """
 
     req_ids: list[int] = field(default_factory=list)
@@ -95,15 +95,6 @@ class SchedulerOutput:
     def add(self, seq: ScheduledSeq) -> None:
         self.other_seqs.append(seq)
         self._num_tokens += len(seq.token_ids)
-        self._seqs = None
-
-    def add_decode(self, req_id: int, position: int, token_id: int, block_table: list[int]) -> None:
-        """A one-token decode (decodes run before the other sequences, whenever they are added)."""
-        d = self.decodes
-        d.req_ids.append(req_id)
-        d.positions.append(position)
-        d.token_ids.append(token_id)
-        d.block_tables.append(block_table)
         self._seqs = None
 
     def drop(self, req_id: int) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from kvscope.engine.block_manager import BlockDeltas, BlockManager
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.kv_events import BlockDeltas
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     DECODE,
     PREFILL,
@@ -94,10 +96,12 @@ def request_state(req: Request) -> RequestState:
     )
 
 
-def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> SnapshotEvent:
+def snapshot_event(sched: Scheduler, bm: BlockManager, view: BlockMap, step: int, t: float) -> SnapshotEvent:
+    """`view`: the block map rebuilt from the deltas sent so far (kv_events.BlockDeltaFold.view)."""
     blocks: dict[int, BlockOwner] = {}
-    owner = bm.view.owner  # who a watcher's block map shows as owner (the claimer), -1 if none
-    for req_id, table in bm.tables.items():
+    owner = view.owner  # who a watcher's block map shows as owner (the claimer), -1 if none
+    tables = bm.tables
+    for req_id, table in tables.items():
         for block in table:
             if block not in blocks:
                 o = owner[block]
@@ -112,7 +116,7 @@ def snapshot_event(sched: Scheduler, bm: BlockManager, step: int, t: float) -> S
         t=t,
         requests=[request_state(r) for r in sched.running + list(sched.waiting)],
         blocks=sorted(blocks.values(), key=lambda b: b.block),
-        block_tables={req_id: list(table) for req_id, table in bm.tables.items()},
+        block_tables=tables,
         running=[r.req_id for r in sched.running],
         waiting=[r.req_id for r in waiting],
         preempted=[r.req_id for r in preempted],

@@ -89,7 +89,7 @@ class SimRun:
     def owners(self) -> dict[int, int]:
         """The engine's block map: block -> the owner a watcher shows (the claimer)."""
         bm = self.engine.block_manager
-        view = bm.view.owner
+        view = self.engine.block_deltas.view.owner
         return {b: (view[b] if view[b] >= 0 else req) for req, table in bm.tables.items() for b in table}
 
     def add(self, n: int = 1) -> None:
