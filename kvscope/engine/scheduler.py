@@ -394,45 +394,45 @@ class Scheduler:
         finished: list[Request] = []
         requests = self.requests
         # Decodes first, as they ran: the fast path (one token each, always sampled).
-        decoded = [requests[r] for r in out.decodes.req_ids]
-        self.bm.commit_decodes(decoded)
-        for req in decoded:
-            token = sampled[req.req_id]
-            req.token_ids.append(token)  # req.append_token, inline
+        sampled_reqs = [requests[r] for r in out.decodes.req_ids]
+        self.bm.commit_decodes(sampled_reqs)
+        for req in sampled_reqs:
+            req.token_ids.append(sampled[req.req_id])  # req.append_token, inline
             req.token_times.append(now)
-            reason = self._stop_reason(req, token, eos_token_ids)
-            if reason is not None:
-                self._finish(req, reason, now, finished)
         commit = self.bm.commit
         for seq in out.other_seqs:
             req = requests[seq.req_id]
             commit(req, req.num_computed_tokens + len(seq.token_ids))
             if seq.is_prefill:
                 req.num_prefill_chunks += 1
-            if not seq.sample:
-                continue
-            token = sampled[seq.req_id]
-            req.append_token(token, now)
-            reason = self._stop_reason(req, token, eos_token_ids)
-            if reason is not None:
-                self._finish(req, reason, now, finished)
+            if seq.sample:
+                req.append_token(sampled[seq.req_id], now)
+                sampled_reqs.append(req)
+        self._stop_finished(sampled_reqs, now, eos_token_ids, finished)
         if self.mode is Mode.STATIC and self.running and all(r.done_generating for r in self.running):
             for req in list(self.running):
                 self._release(req, now)
                 finished.append(req)
         return finished
 
-    def _stop_reason(self, req: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
-        """The one stop check, after each sampled token: why req ends here, or None."""
-        params = req.params
-        if token in eos_token_ids and not params.ignore_eos:
-            return FINISH_STOP
-        n = len(req.token_ids)
-        if n - len(req.prompt_token_ids) >= params.max_tokens:
-            return FINISH_LENGTH
-        if n >= self.max_model_len:
-            return FINISH_MAX_MODEL_LEN
-        return None
+    def _stop_finished(self, sampled: list[Request], now: float, eos_token_ids: frozenset[int],
+                       finished: list[Request]) -> None:
+        """The one stop check: each request that just sampled a token, in order, ends if that token
+        is an EOS it does not ignore, or it reached max_tokens or max_model_len."""
+        max_len = self.max_model_len
+        for req in sampled:
+            tokens = req.token_ids
+            params = req.params
+            n = len(tokens)
+            if tokens[-1] in eos_token_ids and not params.ignore_eos:
+                reason = FINISH_STOP
+            elif n - len(req.prompt_token_ids) >= params.max_tokens:
+                reason = FINISH_LENGTH
+            elif n >= max_len:
+                reason = FINISH_MAX_MODEL_LEN
+            else:
+                continue
+            self._finish(req, reason, now, finished)
 
     def _finish(self, req: Request, reason: str, now: float, finished: list[Request]) -> None:
         req.finish_reason = reason
