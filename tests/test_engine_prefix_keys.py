@@ -113,9 +113,9 @@ def test_prompts_whose_keys_collide_both_get_transformers_tokens(models, monkeyp
     bm = llm.engine.block_manager
     assert bm.hit_tokens == 0, "the second prompt's key found the first's block, and verification refused it"
     assert got == ref.greedy_all(prompts, 12)
-    # the same prompt again does hit: verification refuses only what differs
-    llm.generate([prompts[1]], SamplingParams(max_tokens=1, ignore_eos=True))
-    assert bm.hit_tokens == 16
+    # the first prompt again does hit (the key is its block's): verification refuses only what differs
+    again = llm.generate([prompts[0]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert bm.hit_tokens == 16 and again.token_ids == got[0]
 
 
 def test_without_verification_the_collision_would_serve_the_wrong_kv(models, monkeypatch):
