@@ -11,6 +11,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "kvscope.engine.llm",
     "RequestOutput": "kvscope.engine.llm",
+    "CompletionOutput": "kvscope.engine.llm",
     "LLMEngine": "kvscope.engine.llm_engine",
     "EngineConfig": "kvscope.engine.config",
     "MODES": "kvscope.engine.config",

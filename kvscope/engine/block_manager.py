@@ -234,8 +234,9 @@ class BlockManager:
         req.num_computed_tokens = computed
         skip = self.outside_window(computed)
         self._hold(req, skip)
-        if None not in hits:  # keys of a hit run from block 0; otherwise commit() rebuilds them
-            req.block_hashes = [self.cache.key_of(b) for b in hits]
+        if self.cache is not None and None not in hits:  # keys of a hit run from block 0; commit() adds the rest
+            keys = [self.cache.key_of(b) for b in hits]  # (a fork's last, partly filled hit has none)
+            req.block_hashes = keys[: keys.index(None)] if None in keys else keys
         table = req.block_table
         pool = self.pool
         for i, block in enumerate(hits):

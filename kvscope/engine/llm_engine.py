@@ -172,9 +172,17 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
         self.scheduler.add(req)
+        samples = [req.fork(self._take_id(), i) for i in range(1, params.n)]  # n > 1: parallel sampling
+        if samples:
+            self.scheduler.add_forks(req, samples)
         if self.sink is not None:
-            self.sink.publish(telemetry.request_event(req))
+            for r in (req, *samples):
+                self.sink.publish(telemetry.request_event(r))
         return req_id
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
 
     def _check_fits(self, token_ids: list[int]) -> None:
         n = len(token_ids)

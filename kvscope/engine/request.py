@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvscope.engine.sampling_params import SamplingParams
 
@@ -83,6 +83,11 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_released_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    # parallel sampling (SamplingParams.n): sample i of n forks from request fork_of (sample 0), whose
+    # prompt blocks it shares; seq_ids, on sample 0, are the ids of all n
+    fork_of: int | None = None
+    sample_index: int = 0
+    seq_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -123,6 +128,12 @@ class Request:
         gap = now - self.token_times[-1] if self.token_times else None
         self.token_times.append(now)
         return gap
+
+    def fork(self, req_id: int, index: int) -> Request:
+        """Sample `index` of this request's n: the same prompt, its own sampling stream (seed + index)."""
+        seed = None if self.params.seed is None else self.params.seed + index
+        return Request(req_id, list(self.prompt_token_ids), replace(self.params, n=1, seed=seed), self.arrival,
+                       self.priority, source=self.source, fork_of=self.req_id, sample_index=index)
 
     def metrics(self) -> RequestMetrics:
         times = self.token_times

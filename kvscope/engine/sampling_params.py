@@ -16,6 +16,7 @@ from kvscope.engine.errors import KvscopeError
 TEMPERATURE_FLOOR = 1e-5
 MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default max_logprobs)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 64  # parallel samples of one prompt
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
     detokenize: bool = True  # keep the output text (incrementally); off for token-id-only workloads
+    n: int = 1  # sequences sampled from one prompt; they share its KV blocks (copy-on-write)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens < 1 << 63:  # an int64 in events
@@ -59,6 +61,8 @@ class SamplingParams:
         if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)):
             raise KvscopeError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise KvscopeError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -66,6 +66,8 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self._finished_since_last: list[int] = []
+        # parallel sampling: request id -> its other samples, waiting (outside WAITING) for its prompt's KV
+        self._forks: dict[int, list[Request]] = {}
         self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == PREEMPT_SWAP else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         # Queue membership as id lists for the step event, rebuilt only when a queue changed
@@ -82,8 +84,25 @@ class Scheduler:
         self.waiting.append(request)
         self._queues_version += 1
 
+    def add_forks(self, request: Request, samples: list[Request]) -> None:
+        """request's other samples (SamplingParams.n): they join WAITING once request has computed its
+        prompt, and then share its prompt blocks (the block holding the last prompt token is copied)."""
+        for sample in samples:
+            self.requests[sample.req_id] = sample
+            sample.arrival_step = request.arrival_step
+            self.policy.on_arrival(sample, sample.arrival_step)
+        request.seq_ids = [request.req_id] + [s.req_id for s in samples]
+        self._forks[request.req_id] = samples
+
+    def _queue_forks(self, request: Request) -> None:
+        """request's prompt is computed (or it is gone): its samples go to the front of WAITING."""
+        samples = self._forks.pop(request.req_id, ())
+        for sample in reversed(samples):
+            self.waiting.appendleft(sample)
+        self._queues_version += 1
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     @property
     def preempted(self) -> list[Request]:
@@ -226,9 +245,26 @@ class Scheduler:
         self._preempt(victim, out, reason="priority")
         return True
 
+    def _fork_hits(self, head: Request) -> list[int | None]:
+        """The blocks holding head's prompt but its last token, from the request it forks from (if
+        that one still holds them): what head shares by refcount."""
+        source = self.requests.get(head.fork_of)
+        computed = head.num_prompt_tokens - 1
+        if source is None or source.status is not RequestStatus.RUNNING or source.num_computed_tokens < computed:
+            return []
+        null, skip = self.bm.null_block, self.bm.outside_window(computed)
+        hits = [None if b == null else b for b in source.block_table[: blocks_needed(computed, self.bm.block_size)]]
+        return hits if computed > 0 and None not in hits[skip:] else []
+
     def _cached_prefix(self, head: Request) -> tuple[list[int | None], int]:
         """(hit blocks, tokens already computed) for the head of WAITING."""
-        if head.status is RequestStatus.SWAPPED or not self.bm.enable_caching:
+        if head.status is RequestStatus.SWAPPED:
+            return [], head.num_computed_tokens
+        if head.fork_of is not None and head.num_computed_tokens == 0:
+            hits = self._fork_hits(head)
+            if hits:
+                return hits, head.num_prompt_tokens - 1
+        if not self.bm.enable_caching:
             return [], head.num_computed_tokens
         hits = self.bm.match_prefix(head.token_ids)
         # Always compute at least the last token: its logits give the next sample.
@@ -255,7 +291,7 @@ class Scheduler:
             else:
                 n = min(left, budget_left)
             swapped = head.status is RequestStatus.SWAPPED
-            if swapped or not self.bm.enable_caching:
+            if swapped or not (self.bm.enable_caching or hits):
                 ok = self.bm.grow(head, computed + n)  # computed: head.num_computed_tokens
             else:
                 ok = self.bm.admit(head, hits, computed, computed + n)  # head now has `computed` computed
@@ -408,6 +444,10 @@ class Scheduler:
             if seq.sample:
                 req.append_token(sampled[seq.req_id], now)
                 sampled_reqs.append(req)
+        if self._forks:  # a request with n samples computed its prompt: the others can fork now
+            for req in sampled_reqs:
+                if req.req_id in self._forks and req.num_output_tokens == 1:
+                    self._queue_forks(req)
         self._stop_finished(sampled_reqs, now, eos_token_ids, finished)
         if self.mode is Mode.STATIC and self.running and all(r.done_generating for r in self.running):
             for req in list(self.running):
@@ -449,13 +489,18 @@ class Scheduler:
         req = self.requests.get(req_id)
         if req is None:
             return None
+        pending = self._forks.get(req.fork_of) if req.fork_of is not None else None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif pending and req in pending:  # a sample still waiting for its prompt's KV
+            pending.remove(req)
         else:
             self.waiting.remove(req)
             if req.status is RequestStatus.SWAPPED:
                 self.swap_pool.drop(req_id)
         self._queues_version += 1
+        if req_id in self._forks:
+            self._queue_forks(req)  # its samples go on, each computing the prompt itself
         req.finish_reason = reason
         self.bm.free(req)
         req.status = RequestStatus.FINISHED
