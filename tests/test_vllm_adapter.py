@@ -300,12 +300,14 @@ def test_a_replay_longer_than_zmqs_send_queue_arrives_whole():
     """3,000 batches before the view starts: more than a ROUTER queues by default (1,000 messages).
     The publisher must not drop any of them, and the view ends with every block."""
     from kvscope.adapters.vllm_publisher import VllmKvPublisher
+    from kvscope.engine.kv_events import BlockStored
 
     pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=16)
     source = None
+    key = lambda k: k.to_bytes(16, "big")  # noqa: E731 (a 16-byte key, as the engine's)
     try:
         for k in range(3000):
-            pub.stored(k + 1, k if k else None, tuple(range(16)))
+            pub.consume([BlockStored(key(k + 1), key(k) if k else None, tuple(range(16)), k)])
             pub.flush()
         source = VllmSource(kv_events=pub.address, kv_replay=pub.replay_address).start()
         assert wait_for(lambda: source.state.kv.last_seq == pub.last_seq)
