@@ -26,6 +26,7 @@ def test_n_greedy_sequences_equal_the_single_greedy_one(models):
         assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len({c.req_id for c in out.outputs}) == 4
         assert [c.token_ids for c in out.outputs] == [ref.greedy(prompt, 10)] * 4
         assert out.token_ids == one.token_ids == one.outputs[0].token_ids
+        assert [c.text for c in out.outputs] == [one.text] * 4 and one.text, "each sequence has its own text"
     bm = llm.engine.block_manager
     bm.check_invariants()
     assert bm.num_free == bm.num_blocks and bm.cow_copies == 2 * 3

@@ -169,12 +169,13 @@ class LLMEngine:
                 self.sink.publish(RejectEvent(req_id, str(e), self.now()))
             raise RequestRejected(str(e)) from None
         req = Request(req_id, token_ids, params, arrival, priority, source=source)
-        if params.detokenize and self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, token_ids)
         self.scheduler.add(req)
         samples = [req.fork(self._take_id(), i) for i in range(1, params.n)]  # n > 1: parallel sampling
         if samples:
             self.scheduler.add_forks(req, samples)
+        for r in (req, *samples):
+            if params.detokenize and self.tokenizer is not None:
+                r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.params, token_ids)
         if self.sink is not None:
             for r in (req, *samples):
                 self.sink.publish(telemetry.request_event(r))
