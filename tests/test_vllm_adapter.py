@@ -326,6 +326,7 @@ def test_a_replay_of_100k_batches_under_load_gives_the_buffer_whole_and_counts_t
     import threading
 
     from kvscope.adapters.vllm_publisher import BUFFER_BATCHES, VllmKvPublisher
+    from kvscope.engine.kv_events import BlockRemoved
 
     pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=16)
     source = None
@@ -339,7 +340,7 @@ def test_a_replay_of_100k_batches_under_load_gives_the_buffer_whole_and_counts_t
     hog = threading.Thread(target=busy, daemon=True)
     try:
         for k in range(100_000):
-            pub.removed(k)
+            pub.consume([BlockRemoved(k.to_bytes(16, "big"), k)])
             pub.flush()
         hog.start()
         source = VllmSource(kv_events=pub.address, kv_replay=pub.replay_address).start()
