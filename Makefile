@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test bench screenshots clean
+.PHONY: install fetch demo test bench screenshots clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvscope demo
 
-test: $(STAMP)
+# The real-model tests need SmolLM2-135M: fetched once into the model cache (a no-op afterwards).
+fetch: $(STAMP)
+	$(BIN)/kvscope fetch smollm2-135m
+
+test: fetch
 	@sh scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest
 
@@ -32,6 +36,7 @@ bench: $(STAMP)
 
 screenshots: $(STAMP)
 	$(BIN)/python -m kvscope.tui.screenshots traces/demo-cpu.kvtrace screenshots/
+	$(BIN)/python -m kvscope.tui.screenshots --detail screenshots/request-detail-smollm2.svg traces/smollm2-cpu.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-lesson.svg traces/race-lesson/*.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --compare screenshots/race-cpu.svg traces/race-cpu/*.kvtrace
 	$(BIN)/python -m kvscope.tui.screenshots --vllm screenshots/vllm-replay.svg traces/vllm/kvscope-as-vllm.kvtrace

@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from kvscope.bench.harness import Row
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.model_backend import default_cpu_threads, resolve_device, resolve_dtype
+from kvscope.engine.gguf import is_gguf_path, load_gguf
 from kvscope.engine.models import build_builtin
+from kvscope.engine.named_models import NAMED_MODELS, fetch
 from kvscope.engine.shapes import BUILTIN_SHAPES
 
 
@@ -20,11 +22,23 @@ def _hf_model(config: EngineConfig):
     dtype = resolve_dtype(config.dtype, device)
     if config.model in BUILTIN_SHAPES:
         model = build_builtin(config.model, dtype=dtype, device=str(device), seed=config.seed)
+    elif config.model in NAMED_MODELS or is_gguf_path(config.model):
+        model = _gguf_peer_model(config.model, dtype, device)
     else:
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, local_files_only=True).to(device)
     if device.type == "cpu":  # the thread count kvscope's rows ran with
         torch.set_num_threads(config.cpu_threads or default_cpu_threads())
     return model.eval(), device
+
+
+def _gguf_peer_model(name: str, dtype, device):
+    """transformers' model of a GGUF (the load kvscope's rows made, copied), on transformers' own attention."""
+    import copy
+
+    path = fetch(name) if name in NAMED_MODELS else name
+    model = copy.deepcopy(load_gguf(path, dtype, str(device))[0])
+    model.set_attn_implementation("sdpa")  # the engine's rows switched the shared load to paged attention
+    return model
 
 
 class _StepClock:

@@ -15,6 +15,7 @@ class Demo(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+        p.add_argument("--model", default="tiny", help="tiny (default), smollm2-135m for real text, or a checkpoint")
         p.add_argument("--sim", action="store_true",
                        help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
         p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
@@ -23,5 +24,6 @@ class Demo(Command):
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.demo import run_demo
 
-        run_demo(palette=args.palette, device=args.device, sim_gpu=args.gpu if args.sim else None)
+        run_demo(palette=args.palette, device=args.device, model=args.model,
+                 sim_gpu=args.gpu if args.sim else None)
         return 0

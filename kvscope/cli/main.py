@@ -18,6 +18,7 @@ from kvscope.cli.compare import Compare
 from kvscope.cli.demo import Demo
 from kvscope.cli.diagnose import Diagnose
 from kvscope.cli.export import Export
+from kvscope.cli.fetch import Fetch
 from kvscope.cli.race import Race
 from kvscope.cli.record import Record
 from kvscope.cli.replay import Replay
@@ -31,7 +32,7 @@ from kvscope.errors import KvscopeError
 # in the order `kvscope --help` lists them
 COMMANDS: tuple[Command, ...] = (Serve(), Bench(), BenchFeatures(), Tui(), Demo(), Replay(), Record(), Calibrate(),
                                  Compare(), Race(), Web(), Diagnose(), Export(), TraceInfo(),
-                                 Report())
+                                 Report(), Fetch())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -96,6 +96,7 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.serve.driver import ServeOptions, Server
 
     engine = LLMEngine(config)
+    print(f"kvscope: {engine.describe_model()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
     front = front(engine) if front else None

@@ -42,7 +42,8 @@ def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, 
 
 @dataclass
 class EngineConfig:
-    model: str = setting("tiny", "tiny, qwen3-0.6b-shape, or a local checkpoint directory; "
+    model: str = setting("tiny", "tiny, qwen3-0.6b-shape, smollm2-135m (a real model, fetched once), "
+                                 "a local checkpoint directory or a .gguf file; "
                                  "with --backend sim a catalog shape, e.g. llama-3.3-70b-fp8")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA and on a CPU with AMX or "

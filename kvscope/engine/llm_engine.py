@@ -16,11 +16,16 @@ from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request, priority_problem
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.tokenizer import HFTokenizer
 from kvscope.protocol.engine_info import WIRE_ORDER
-from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, RejectEvent, SnapshotEvent
+from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, OutputText, RejectEvent, SnapshotEvent
 from kvscope.protocol.sinks import EventSink
 
 __all__ = ["EventSink", "LLMEngine"]
+
+# how much of a prompt or a completion an event carries as text (the detail screen shows a few lines)
+EVENT_TEXT_TOKENS = 1024
+EVENT_TEXT_CHARS = 4000
 
 
 class _ParamsOf:
@@ -52,6 +57,8 @@ class LLMEngine:
         self.backend: Backend = create_backend(config)
         self.device, self.dtype, self.loaded = self.backend.device, self.backend.dtype, self.backend.model
         self.tokenizer = self.loaded.tokenizer
+        # prompts and completions go into the events as text only for a real tokenizer (not byte soup)
+        self._text_tokenizer = self.tokenizer if isinstance(self.tokenizer, HFTokenizer) else None
         block_bytes = self.backend.kv_block_bytes(config.block_size)
         if config.num_blocks:
             self.kv_budget = KvBudget(int(config.num_blocks * block_bytes), "num_blocks")
@@ -118,6 +125,17 @@ class LLMEngine:
         ordered = {k: config[k] for k in WIRE_ORDER if k in config}
         return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)
 
+    def _text(self, token_ids: list[int], tail: bool = False) -> str:
+        """Token ids as text for an event, cut to EVENT_TEXT_CHARS (a prompt keeps its end: the question)."""
+        ids = token_ids[-EVENT_TEXT_TOKENS:] if tail else token_ids[:EVENT_TEXT_TOKENS]
+        text = self._text_tokenizer.decode(ids)
+        return text[-EVENT_TEXT_CHARS:] if tail else text[:EVENT_TEXT_CHARS]
+
+    def describe_model(self) -> str:
+        """One line for start-up: the model, the dtype its weights run in, and their memory."""
+        describe = getattr(self.loaded, "describe", None)  # the real model's LoadedModel; the sim has none
+        return describe(self.dtype) if describe else f"model {self.loaded.name} ({self.backend.name}, {self.dtype})"
+
     def describe_dtype(self) -> str:
         """One line for start-up: the dtype the weights run in, and why (what --dtype auto found)."""
         return f"dtype {self.dtype} on {self.device} ({self.backend.dtype_reason})"
@@ -177,8 +195,9 @@ class LLMEngine:
             if params.detokenize and self.tokenizer is not None:
                 r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.params, token_ids)
         if self.sink is not None:
+            prompt_text = self._text(token_ids, tail=True) if self._text_tokenizer else None
             for r in (req, *samples):
-                self.sink.publish(telemetry.request_event(r))
+                self.sink.publish(telemetry.request_event(r, prompt_text))
         return req_id
 
     def _take_id(self) -> int:
@@ -243,8 +262,10 @@ class LLMEngine:
             self._waste_steps += 1
         if self.sink is not None:
             dropped = getattr(self.sink, "take_dropped", lambda: 0)()
+            outputs = ([OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
+                       if self._text_tokenizer else None)
             self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
-                                                   dropped))
+                                                   dropped, outputs))
             if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
                 self.publish_snapshot()
         return finished

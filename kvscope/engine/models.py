@@ -1,4 +1,5 @@
-"""Where models come from: built-in shapes with deterministic random weights, or a local checkpoint.
+"""Where models come from: built-in shapes with deterministic random weights, a local checkpoint
+directory, a GGUF file (gguf.py), or a named real model fetched once into a cache (named_models.py).
 
 The model code itself is transformers'; kvscope swaps in its own attention
 (see attention.py) so every layer reads and writes the paged KV cache.
@@ -32,6 +33,13 @@ class LoadedModel:
     max_position_embeddings: int
     vocab_size: int
     attention: AttentionSpec = AttentionSpec(())  # per-layer sliding windows (none: full attention everywhere)
+    source: str = ""  # where the weights came from, for the start-up line (e.g. "GGUF Q4_1, dequantized")
+    weight_bytes: int = 0  # memory the weights take in the engine's dtype
+
+    def describe(self, dtype: str) -> str:
+        """The start-up line: which model, where from, the dtype its weights run in and their memory."""
+        origin = f" ({self.source})" if self.source else ""
+        return f"model {self.name}{origin}: weights in {dtype}, {self.weight_bytes / 2**20:,.0f} MiB"
 
 
 def build_builtin(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -78,7 +86,28 @@ def _read_hf_config(path: str):
         raise KvscopeError(f"cannot read the config of {path!r}: {first_line}") from None
 
 
+def _load_gguf(name: str, path: str, dtype: torch.dtype, device: str) -> LoadedModel:
+    from kvscope.engine import gguf
+
+    model, hf_tokenizer, header = gguf.load_gguf(path, dtype, device)
+    attention_spec(model.config, path)  # refuse sliding-window layouts kvscope does not implement
+    tokenizer = HFTokenizer.wrap(hf_tokenizer) if hf_tokenizer is not None else None
+    quants = "+".join(q for q in header.quant_names() if q not in ("F32", "F16", "BF16")) or "float"
+    return _loaded(model, tokenizer, _eos_ids(model, tokenizer), name,
+                   source=f"{os.path.basename(path)}, {header.architecture}, {quants} dequantized by transformers",
+                   weight_bytes=gguf.weight_bytes(model))
+
+
 def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> LoadedModel:
+    from kvscope.engine import named_models
+    from kvscope.engine.gguf import is_gguf_path
+
+    if name in named_models.NAMED_MODELS:
+        return _load_gguf(name, named_models.fetch(name), dtype, device)
+    if is_gguf_path(name):
+        if not os.path.isfile(name):
+            raise KvscopeError(f"GGUF file {name!r} does not exist")
+        return _load_gguf(name, name, dtype, device)
     if name in BUILTIN_SHAPES:
         model = build_builtin(name, dtype=dtype, device=device, seed=seed)
         tokenizer: Tokenizer | None = ByteTokenizer()
@@ -109,6 +138,12 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         except Exception:  # a checkpoint without tokenizer files takes token-id prompts only
             tokenizer = None
         eos = _eos_ids(model, tokenizer)
+    from kvscope.engine.gguf import weight_bytes
+
+    return _loaded(model, tokenizer, eos, name, weight_bytes=weight_bytes(model))
+
+
+def _loaded(model, tokenizer, eos: frozenset[int], name: str, **extra) -> LoadedModel:
     cfg = model.config
     return LoadedModel(
         model=model,
@@ -121,6 +156,7 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> Loa
         max_position_embeddings=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
         attention=attention_spec(cfg, name),
+        **extra,
     )
 
 

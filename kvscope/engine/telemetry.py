@@ -18,6 +18,7 @@ from kvscope.protocol.events import (
     FirstToken,
     ItlSample,
     KvCounters,
+    OutputText,
     Preemption,
     PrefixHit,
     RefChange,
@@ -29,9 +30,12 @@ from kvscope.protocol.events import (
 )
 
 
-def request_event(req: Request) -> RequestEvent:
-    return RequestEvent(req.req_id, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.arrival,
-                        source=req.source)
+def request_event(req: Request, prompt_text: str | None = None) -> RequestEvent:
+    event = RequestEvent(req.req_id, req.num_prompt_tokens, req.params.max_tokens, req.priority, req.arrival,
+                         source=req.source)
+    if prompt_text is not None:
+        event.prompt_text = prompt_text
+    return event
 
 
 def finish_record(req: Request) -> Finish:
@@ -40,7 +44,8 @@ def finish_record(req: Request) -> Finish:
 
 
 def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Request], finished: list[Request],
-               deltas: BlockDeltas, kv: KvCounters, t_start: float, t_end: float, dropped: int) -> StepEvent:
+               deltas: BlockDeltas, kv: KvCounters, t_start: float, t_end: float, dropped: int,
+               outputs: list[OutputText] | None = None) -> StepEvent:
     first_tokens: list[FirstToken] = []
     itl: list[ItlSample] = []
     for req in sampled_reqs:
@@ -50,7 +55,7 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
         else:
             itl.append(ItlSample(req.req_id, times[-1] - times[-2]))
     running, waiting, preempted, swapped = sched.queue_ids()  # cached between queue changes: copy
-    return StepEvent(
+    event = StepEvent(
         step=out.step,
         t=t_start,
         dur=t_end - t_start,
@@ -77,6 +82,9 @@ def step_event(out: SchedulerOutput, sched: Scheduler, sampled_reqs: list[Reques
         hits=[PrefixHit(r, tokens, blocks) for r, tokens, blocks in out.hits],
         swaps=[Swap(r, direction, blocks) for r, direction, blocks in out.swaps],
     )
+    if outputs:
+        event.outputs = outputs
+    return event
 
 
 def request_state(req: Request) -> RequestState:

@@ -52,6 +52,14 @@ class HFTokenizer:
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.eos_token_id = self._tok.eos_token_id
 
+    @classmethod
+    def wrap(cls, hf_tokenizer) -> "HFTokenizer":
+        """One transformers already loaded (from a GGUF file's own vocabulary and template)."""
+        self = cls.__new__(cls)
+        self._tok = hf_tokenizer
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        return self
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 

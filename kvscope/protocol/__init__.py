@@ -34,6 +34,7 @@ __all__ = [
     "FirstToken",
     "Finish",
     "ItlSample",
+    "OutputText",
     "KvCounters",
     "PrefixHit",
     "Swap",

@@ -142,6 +142,13 @@ class Finish(Struct, array_like=True, gc=False):
     reason: Name  # one of FINISH_REASONS (a later v1 writer may add more)
 
 
+class OutputText(Struct, array_like=True, gc=False):
+    """A finished request's completion as text (models with a real tokenizer only)."""
+
+    req: Int
+    text: Text
+
+
 class ItlSample(Struct, array_like=True, gc=False):
     req: Int
     gap: Float
@@ -220,6 +227,8 @@ class RequestEvent(ProtocolEvent, tag="request"):
     priority: Int
     arrival: Float
     source: Source = SOURCE_ENGINE  # SOURCE_HTTP for a request sent to the HTTP API (optional: older streams omit it)
+    # the prompt as text, models with a real tokenizer only (left out of the encoding when unset)
+    prompt_text: Text | UnsetType = UNSET
 
 
 class RejectEvent(ProtocolEvent, tag="reject"):
@@ -253,6 +262,8 @@ class StepEvent(ProtocolEvent, tag="step"):
     # added with prefix caching and swapping (optional: older streams omit them)
     hits: _list(PrefixHit) = []  # prefix-cache hits of requests admitted this step
     swaps: _list(Swap) = []  # swaps out (with a "swap" preemption) and in
+    # completions of the requests finished this step, as text (real tokenizers only; unset otherwise)
+    outputs: _list(OutputText) | UnsetType = UNSET
 
 
 class SnapshotEvent(ProtocolEvent, tag="snapshot"):

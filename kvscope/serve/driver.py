@@ -18,6 +18,7 @@ from kvscope.engine.metrics import MetricsCollector, Summary
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.serve.options import ServeOptions
+from kvscope.workload.text_prompts import TextPrompts
 
 IDLE_POLL_S = 0.02  # how often an idle or paused engine looks at the control socket
 LONG_PROMPT_TOKENS = 2048
@@ -48,6 +49,11 @@ class Server:
         self.refused = 0  # requests not queued because max_waiting were already waiting
         self._refused_notice = -REFUSED_NOTICE_EVERY_S
         self._seed_counter = options.seed * 7919 + 1
+        # a model that reads text is served real instructions in place of random token ids
+        tokenizer = engine.tokenizer
+        self.texts = (TextPrompts(tokenizer, options.seed) if getattr(tokenizer, "has_chat_template", False)
+                      else None)
+        self._submitted = 0
 
     def requests(self) -> Iterator[wl.WorkloadRequest]:
         max_prompt = self.engine.max_model_len - 1
@@ -131,10 +137,15 @@ class Server:
                 print(f"kvscope: {cap} requests are waiting (max_waiting): refusing new ones "
                       f"({self.refused} so far)", file=sys.stderr)
             return
-        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=item.ignore_eos,
-                                detokenize=False)  # random token ids: nobody reads their text
+        prompt, ignore_eos = item.prompt, item.ignore_eos
+        if self.texts is not None:  # a real reply ends at its end-of-turn token
+            prompt = self.texts.prompt(len(item.prompt), self._submitted, self.engine.max_model_len - 1)
+            ignore_eos = False
+        self._submitted += 1
+        # random token ids: nobody reads their text; real prompts' replies are read in request detail
+        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=ignore_eos, detokenize=self.texts is not None)
         try:
-            self.engine.add_request(item.prompt, params, item.priority, arrival=arrival)
+            self.engine.add_request(prompt, params, item.priority, arrival=arrival)
         except RequestRejected as e:
             self.metrics.rejected += 1
             if self.options.verbose_rejects:

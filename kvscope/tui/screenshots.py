@@ -3,6 +3,7 @@
     python -m kvscope.tui.screenshots TRACE.kvtrace OUTDIR [--step N]
     python -m kvscope.tui.screenshots --compare OUT.svg TRACE TRACE [TRACE TRACE] [--at SECONDS]
     python -m kvscope.tui.screenshots --vllm OUT.svg TRACE [--step N]
+    python -m kvscope.tui.screenshots --detail OUT.svg TRACE [--step N]
 
 The replay is paused and driven by keys, on a clock that never moves, so the same
 trace gives the same SVGs byte for byte. Without ``--step`` the script picks the
@@ -49,7 +50,14 @@ def pick_request(state) -> int | None:
     return best
 
 
-async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | None, what: str) -> None:
+def pick_finished_with_text(state) -> int | None:
+    """A finished request whose completion the trace carries as text (the latest with the richest log)."""
+    done = [r for r in state.finished.values() if r.output_text]
+    return max(done, key=lambda r: (r.preemptions, len(r.log), r.req)).req if done else None
+
+
+async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | None, what: str,
+                 with_text: bool = False) -> None:
     from kvscope.tui.launch import make_replay_app
 
     app = make_replay_app(path, playing=False, clock=lambda: 0.0, auto_tick=False)
@@ -69,7 +77,7 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
             app.pump()
             await pilot.pause()
             if what == "request-detail":
-                req = pick_request(app.state)
+                req = pick_finished_with_text(app.state) if with_text else pick_request(app.state)
                 if req is not None:
                     app.screen.selected = req
                     from kvscope.tui.screens import RequestDetailScreen
@@ -131,6 +139,13 @@ def make_vllm_screenshot(path: str, out_path: str, size: tuple[int, int] = (120,
     return out_path
 
 
+def make_detail_screenshot(path: str, out_path: str, step: int | None = None) -> str:
+    """Request detail of a finished request with its prompt and completion as text (a real-model trace)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    asyncio.run(_shoot(path, out_path, SIZES["request-detail"], step, "request-detail", with_text=True))
+    return out_path
+
+
 def make_screenshots(trace_path: str, outdir: str, step: int | None = None) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     written = []
@@ -148,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", metavar="OUT.svg", default=None, help="one compare screenshot of the traces")
     p.add_argument("--at", type=float, default=None, help="with --compare: seconds since the first arrival")
     p.add_argument("--vllm", metavar="OUT.svg", default=None, help="one shot of a recorded vLLM in the vLLM view")
+    p.add_argument("--detail", metavar="OUT.svg", default=None,
+                   help="one request-detail shot of a finished request with its text (a real-model trace)")
     args = p.parse_args(argv)
+    if args.detail:
+        if len(args.paths) != 1:
+            p.error("give one trace with --detail")
+        print(make_detail_screenshot(args.paths[0], args.detail, step=args.step))
+        return 0
     if args.vllm:
         if len(args.paths) != 1:
             p.error("give one recorded vLLM trace with --vllm")

@@ -47,6 +47,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec import UNSET
+
 from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     FINISHED,
@@ -118,6 +120,8 @@ class ReqView:
     e2e: float | None = None
     end_t: float | None = None
     known: bool = True  # False: seen in a queue before any request/snapshot record
+    prompt_text: str = ""  # real-tokenizer models only (RequestEvent.prompt_text)
+    output_text: str = ""  # the completion, once finished (StepEvent.outputs)
     log: deque = field(default_factory=lambda: deque(maxlen=LOG_LEN))
 
 
@@ -385,6 +389,8 @@ def _request(state: TuiState, ev: RequestEvent) -> None:
     r.priority = ev.priority
     r.arrival = ev.arrival
     r.source = ev.source
+    if ev.prompt_text is not UNSET:
+        r.prompt_text = ev.prompt_text
     r.prefill_target = max(r.prefill_target, ev.prompt_len)
     r.known = True
     r.log.append(LogEntry(LOG_QUEUED, state.step + 1 if state.step >= 0 else 0, ev.arrival))
@@ -537,6 +543,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
                 r = _placeholder(state, req)
             r.state = st
 
+    texts = {o.req: o.text for o in ev.outputs} if ev.outputs is not UNSET else {}
     for f in ev.finished:
         state.finished_count += 1
         r = state.requests.get(f.req)
@@ -547,6 +554,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         r.e2e = f.e2e
         r.output_len = f.output_len
         r.finish_reason = f.reason
+        r.output_text = texts.get(f.req, r.output_text)
         r.end_t = t_end
         r.log.append(LogEntry(LOG_FINISH, step, t_end, note=f.reason))
         _retire(state, r)
@@ -584,6 +592,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
         if old is not None:
             r.log = old.log
             r.total_chunks = old.total_chunks
+            r.prompt_text, r.output_text = old.prompt_text, old.output_text
         r.prompt_len = rs.prompt_len
         r.max_tokens = rs.max_tokens
         r.priority = rs.priority

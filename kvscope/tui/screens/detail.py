@@ -11,7 +11,7 @@ from textual.widgets import Footer
 
 from kvscope.tui.screens.base import FeedScreen
 from kvscope.tui.widgets import BlockMap, HeaderBar, StateWidget
-from kvscope.tui.widgets.request import BlockTablePanel, LifecycleLog, RequestSummary
+from kvscope.tui.widgets.request import BlockTablePanel, LifecycleLog, RequestSummary, RequestText
 
 if TYPE_CHECKING:
     from kvscope.tui.feeds import EventFeed
@@ -34,6 +34,7 @@ class RequestDetailScreen(FeedScreen):
         yield RequestSummary(self.req, id="summary")
         with Horizontal(id="detail-body"):
             with VerticalScroll(id="lifecycle-scroll"):
+                yield RequestText(self.req, id="request-text")
                 yield LifecycleLog(self.req, id="lifecycle")
             with Vertical(id="detail-side"):
                 yield BlockTablePanel(self.req, id="blocktable")

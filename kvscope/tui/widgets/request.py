@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 
 from kvscope.protocol.events import FINISHED, PREEMPTED, RUNNING, SWAPPED, WAITING
@@ -127,6 +129,56 @@ class RequestSummary(RequestWidget):
             g, colour = style[ph]
             t.append(g, style=colour)
         return t
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """Text cut into lines of at most width cells, its own line breaks kept."""
+    out = []
+    for para in text.replace("\r", "").split("\n"):
+        out += textwrap.wrap(para, width, replace_whitespace=False, drop_whitespace=True) or [""]
+    return out
+
+
+class RequestText(RequestWidget):
+    """The end of the prompt and the completion as text; shown only when the events carry text
+    (a model with a real tokenizer), hidden otherwise."""
+
+    PROMPT_LINES = 6
+    COMPLETION_LINES = 14
+
+    DEFAULT_CSS = """
+    RequestText {
+        height: auto;
+        display: none;
+    }
+    """
+
+    def show(self, state, pal, selected) -> None:
+        r = state.get(self.req) if state is not None else None
+        self.display = r is not None and bool(r.prompt_text or r.output_text)
+        super().show(state, pal, selected)
+
+    def render(self) -> Text:
+        r = self.state.get(self.req) if self.state is not None else None
+        pal = self.pal
+        width = max(20, self.size.width - 2)
+        lines = []
+        if r is None:
+            return join_lines(lines)
+        prompt = wrap(r.prompt_text.strip(), width)
+        more = len(prompt) > self.PROMPT_LINES
+        lines.append(Text(" PROMPT" + (" (its end)" if more else ""), style="bold", no_wrap=True))
+        lines += [Text(" " + ln, style=pal.dim) for ln in prompt[-self.PROMPT_LINES:]]
+        lines.append(Text(" COMPLETION", style="bold", no_wrap=True))
+        if r.output_text:
+            done = wrap(r.output_text.strip(), width)
+            lines += [Text(" " + ln) for ln in done[:self.COMPLETION_LINES]]
+            if len(done) > self.COMPLETION_LINES:
+                lines.append(Text(f" ... {len(done) - self.COMPLETION_LINES} more lines", style=pal.dim))
+        else:
+            lines.append(Text(" (shown when the request finishes)", style=pal.dim))
+        lines.append(Text(""))
+        return join_lines(lines)
 
 
 class LifecycleLog(RequestWidget):

@@ -1,0 +1,198 @@
+"""GGUF checkpoints (llama.cpp / Ollama files), loaded through transformers' own GGUF loader.
+
+Before the slow load, the file's header is read here (bounded, no code run) to refuse
+what kvscope cannot serve in one line: another architecture, or a tensor type that
+transformers cannot dequantize. transformers then dequantizes every tensor to the
+engine's dtype; the quantized form is not kept.
+
+Parsing a GGUF (its 49k-entry vocabulary above all) is slow in transformers, so the
+last file loaded stays in memory: engines made one after another in one process (tests,
+the bench's modes) load it once.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from kvscope.engine.errors import KvscopeError
+
+GGUF_MAGIC = b"GGUF"
+# GGUF's general.architecture values kvscope serves (Mistral files say "llama")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+# bounds on what a header may claim, so a hostile file cannot make us allocate or loop without end
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_ARRAY = 1 << 24
+MAX_STRING = 1 << 24
+MAX_DIMS = 8
+# GGUF value types: fixed sizes; 8 is a string, 9 an array
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    architecture: str
+    name: str
+    tensor_types: frozenset[int]  # GGML type ids of the tensors
+
+    def quant_names(self) -> list[str]:
+        return sorted(_type_name(t) for t in self.tensor_types)
+
+
+def is_gguf_path(model: str) -> bool:
+    return model.lower().endswith(".gguf")
+
+
+class _Reader:
+    def __init__(self, f, path: str) -> None:
+        self.f, self.path = f, path
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise KvscopeError(f"{self.path} is not a complete GGUF file (it ends inside its header)")
+        return data
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def string(self) -> str:
+        n = self.u64()
+        if n > MAX_STRING:
+            raise KvscopeError(f"{self.path}: a header string claims {n} bytes")
+        return self.take(n).decode("utf-8", errors="replace")
+
+    def value(self, kind: int, keep: bool):
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item, count = self.u32(), self.u64()
+            if count > MAX_ARRAY:
+                raise KvscopeError(f"{self.path}: a header array claims {count} entries")
+            if item in _SCALAR_SIZES:
+                self.f.seek(count * _SCALAR_SIZES[item], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    self.value(item, keep=False)
+            return None
+        if kind not in _SCALAR_SIZES:
+            raise KvscopeError(f"{self.path}: unknown GGUF value type {kind}")
+        return self.take(_SCALAR_SIZES[kind]) if keep else self.f.seek(_SCALAR_SIZES[kind], os.SEEK_CUR)
+
+
+def read_header(path: str) -> GgufHeader:
+    """The architecture, name and tensor types of a GGUF file, read from its header only."""
+    try:
+        with open(path, "rb") as f:
+            r = _Reader(f, path)
+            if f.read(4) != GGUF_MAGIC:
+                raise KvscopeError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+            version = r.u32()
+            if version not in (2, 3):
+                raise KvscopeError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            n_tensors, n_kv = r.u64(), r.u64()
+            if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+                raise KvscopeError(f"{path}: header claims {n_tensors} tensors and {n_kv} keys")
+            fields: dict[str, str] = {}
+            for _ in range(n_kv):
+                key = r.string()
+                kind = r.u32()
+                value = r.value(kind, keep=key in ("general.architecture", "general.name"))
+                if isinstance(value, str):
+                    fields[key] = value
+            types = set()
+            for _ in range(n_tensors):
+                r.string()
+                dims = r.u32()
+                if dims > MAX_DIMS:
+                    raise KvscopeError(f"{path}: a tensor claims {dims} dimensions")
+                f.seek(8 * dims, os.SEEK_CUR)
+                types.add(r.u32())
+                r.u64()
+    except OSError as e:
+        raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
+    return GgufHeader(fields.get("general.architecture", ""), fields.get("general.name", ""), frozenset(types))
+
+
+def _dequantizable() -> dict[int, str]:
+    """GGML type id -> name for every type the installed gguf package can turn into floats."""
+    try:
+        import gguf
+        from gguf import quants
+    except ImportError:
+        raise KvscopeError("loading a GGUF file needs the 'gguf' package (pip install gguf)") from None
+    names = dict(FLOAT_TYPES)
+    # gguf-py registers one dequantizer class per quantized type in this table
+    for qtype in getattr(quants, "_type_traits", {}):
+        names[int(qtype)] = gguf.GGMLQuantizationType(qtype).name
+    return names
+
+
+def _type_name(type_id: int) -> str:
+    try:
+        import gguf
+
+        return gguf.GGMLQuantizationType(type_id).name
+    except (ImportError, ValueError):
+        return f"type {type_id}"
+
+
+def check_servable(path: str) -> GgufHeader:
+    """Refuse, in one line naming it, a GGUF that kvscope cannot serve; before any weight is read."""
+    header = read_header(path)
+    if header.architecture not in GGUF_ARCHITECTURES:
+        raise KvscopeError(f"GGUF {path!r} holds architecture {header.architecture or 'unnamed'!r}; kvscope serves "
+                           f"llama, qwen2, qwen3 and mistral")
+    known = _dequantizable()
+    bad = sorted(_type_name(t) for t in header.tensor_types if t not in known)
+    if bad:
+        raise KvscopeError(f"GGUF {path!r} uses quantization type {bad[0]}, which transformers cannot dequantize")
+    return header
+
+
+_last: tuple[tuple, tuple] | None = None  # (key, (model, tokenizer)) of the last file loaded
+
+
+def load_gguf(path: str, dtype: torch.dtype, device: str):
+    """(model, transformers tokenizer or None, header) from a GGUF file; nothing is fetched from a hub."""
+    global _last
+    header = check_servable(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, dtype, str(device))
+    if _last is not None and _last[0] == key:
+        return (*_last[1], header)
+    _last = None  # let the previous model go before the next one is built
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+    except Exception as e:  # a corrupt tensor or an unknown layout surface as several exception types
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise KvscopeError(f"cannot load GGUF {path!r}: {first_line}") from None
+    model = model.to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except Exception:  # a GGUF without tokenizer metadata takes token-id prompts only
+        tokenizer = None
+    _last = (key, (model, tokenizer))
+    return model, tokenizer, header
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers take (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

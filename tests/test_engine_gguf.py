@@ -1,0 +1,147 @@
+"""A real trained model end to end: SmolLM2-135M-Instruct from its GGUF file (issue 24).
+
+Greedy tokens equal transformers' on the same GGUF in every mode, under preemption, with
+prefix caching and swap, and on the Triton kernels through the interpreter; the
+end-of-turn token ends a reply with finish reason `stop`; the official openai client
+chats with `kvscope serve --http` over it.
+
+The model is fetched once into the cache (`kvscope fetch smollm2-135m`, which `make test`
+runs first). transformers parses a GGUF slowly, so it is loaded once per session
+(kvscope.engine.gguf keeps the last file loaded): the reference is a copy of that
+transformers model taken before any engine switched its attention, and it runs
+transformers' own attention and `generate`. All runs are float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/test_kernels_engine.py
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conftest import HFReference  # noqa: E402
+from kvscope.engine import LLM, SamplingParams  # noqa: E402
+from kvscope.engine import named_models  # noqa: E402
+
+MODEL = "smollm2-135m"
+MODES = ("naive", "static", "continuous", "chunked")
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "Write a haiku about the sea.", "How many legs does a spider have?"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    if named_models.is_cached(MODEL):
+        return named_models.cached_path(MODEL)
+    reason = f"{MODEL} is not in the model cache: run `kvscope fetch {MODEL}` (make test does)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)  # in CI the real model is part of the suite, never skipped
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(the engine's cached load, an independent transformers reference on a copy of its weights)."""
+    from kvscope.engine.gguf import load_gguf
+
+    model, tokenizer, _ = load_gguf(smollm2_path, torch.float32, "cpu")
+    assert model.config._attn_implementation != "kvscope_paged", "copy the reference before any engine runs"
+    ref = copy.deepcopy(model).eval()
+    return tokenizer, HFReference(ref)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm2) -> list[list[int]]:
+    """Real chat prompts through the GGUF's own template: they share its system-prompt prefix."""
+    tokenizer, _ = smollm2
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+def real_llm(path, **settings) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", **settings)
+
+
+def check_equal(outs, expected, prompts) -> None:
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        assert out.error is None and out.prompt_token_ids == prompts[i]
+        assert out.token_ids == exp, f"prompt {i} diverged from transformers"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_transformers_in_every_mode(smollm2, smollm2_path, chat_prompts, mode):
+    _, ref = smollm2
+    llm = real_llm(smollm2_path, mode=mode, num_blocks=64, max_num_batched_tokens=48)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert llm.engine.loaded.num_layers == 30 and llm.engine.loaded.num_kv_heads == 3  # the real shape
+
+
+def test_greedy_under_preemption(smollm2, smollm2_path, chat_prompts):
+    _, ref = smollm2
+    # 9 blocks of 8 tokens hold one or two of these ~45-token requests, not four: recompute preemption
+    llm = real_llm(smollm2_path, mode="chunked", block_size=8, num_blocks=9, max_num_batched_tokens=32)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
+    assert llm.engine.num_preemptions > 0, "the tight cache was meant to force preemption"
+
+
+def test_greedy_with_prefix_caching_and_swap(smollm2, smollm2_path, chat_prompts):
+    _, ref = smollm2
+    llm = real_llm(smollm2_path, mode="chunked", block_size=8, num_blocks=9, max_num_batched_tokens=32,
+                   prefix_caching=True, preemption="swap", swap_space=0.05)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
+    assert llm.engine.block_manager.hit_tokens > 0, "the template's shared system prompt was meant to hit"
+    assert llm.engine.num_preemptions > 0 and llm.engine.scheduler.swap_pool.num_used == 0
+
+
+def test_end_of_turn_stops_the_reply(smollm2, smollm2_path, chat_prompts):
+    tokenizer, ref = smollm2
+    llm = real_llm(smollm2_path, num_blocks=64)
+    assert llm.engine.loaded.eos_token_ids == {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    (out,) = llm.generate([chat_prompts[0]], SamplingParams(max_tokens=24))
+    assert out.token_ids == ref.greedy(chat_prompts[0], 24, stop_at_eos=True)
+    assert out.finish_reason == "stop" and "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+def test_greedy_on_triton_kernels_under_the_interpreter(smollm2, smollm2_path):
+    from test_kernels_engine import TRITON_OPS
+
+    _, ref = smollm2
+    prompts = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47]]  # few tokens: the interpreter is slow
+    llm = real_llm(smollm2_path, mode="chunked", num_blocks=4, max_num_batched_tokens=6)
+    llm.engine.runner.ops = TRITON_OPS
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 2)
+
+
+def test_chat_over_http_with_the_openai_client(smollm2, smollm2_path):
+    import openai
+    from _serve import serving
+    from kvscope.engine.config import EngineConfig
+
+    config = EngineConfig(model=smollm2_path, device="cpu", dtype="float32", num_blocks=64)
+    with serving(config, served_model_name=MODEL) as live, openai.OpenAI(
+            base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+        choice = plain.choices[0]
+        assert "Paris" in choice.message.content and choice.finish_reason == "stop"
+        stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
+                                                stream=True)
+        parts, reasons = [], []
+        for chunk in stream:
+            for c in chunk.choices:
+                parts.append(c.delta.content or "")
+                reasons.append(c.finish_reason)
+        assert "".join(parts) == choice.message.content
+        assert [r for r in reasons if r] == ["stop"]
