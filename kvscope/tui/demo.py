@@ -8,6 +8,8 @@ import sys
 import time
 
 from kvscope.engine.config import usable_cores
+from kvscope.engine.named_models import NAMED_MODELS, fetch
+from kvscope.engine.shapes import BUILTIN_SHAPES
 from kvscope.engine.errors import KvscopeError
 from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 from kvscope.tui.launch import run_live
@@ -28,6 +30,8 @@ SIM_DEMO_MODEL = "llama-3.3-70b-fp8"
 SIM_DEMO_WORKLOAD = "mixed"
 
 START_TIMEOUT_S = 60.0  # model load on a slow CPU; a child that fails is reported as soon as it exits
+# a real checkpoint: transformers parses and dequantizes a GGUF in about a minute on 2 busy cores
+REAL_MODEL_START_TIMEOUT_S = 600.0
 
 
 def sim_demo_args(gpu: str = "h100-sxm5") -> tuple[str, ...]:
@@ -64,6 +68,10 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
     With sim_gpu, the child is the sim backend: Llama 3.3 70B FP8 on that GPU, in real time.
     An engine that fails to start is a KvscopeError carrying its own error line.
     """
+    if sim_gpu is None and model not in BUILTIN_SHAPES:
+        start_timeout_s = max(start_timeout_s, REAL_MODEL_START_TIMEOUT_S)
+        if model in NAMED_MODELS:
+            fetch(model)  # here, before the dashboard takes the terminal: pip's progress bar shows
     if sim_gpu is not None:
         cmd = demo_command(events_addr, control_addr, device=device, model=SIM_DEMO_MODEL,
                            workload=SIM_DEMO_WORKLOAD, extra_args=extra_args, engine_args=sim_demo_args(sim_gpu))
