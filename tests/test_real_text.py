@@ -1,0 +1,71 @@
+"""Real text for real tokenizers: the workload's instructions, and prompts/completions carried by the events.
+
+The model-backed side (SmolLM2 through the serve driver and the HTTP API) is in
+test_engine_gguf.py; here a word-level tokenizer stands in, so these run in a blink.
+"""
+
+from __future__ import annotations
+
+from msgspec import UNSET
+
+from kvscope.protocol import codec
+from kvscope.protocol.events import Finish, KvCounters, OutputText, RequestEvent, StepEvent
+from kvscope.tui.state import TuiState, reduce
+from kvscope.workload.text_prompts import TextPrompts, load_texts
+
+
+class WordTokenizer:
+    """One id per whitespace-separated word; a chat template that wraps the user's turn."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+    def render_chat(self, messages) -> str:
+        return "<system> be helpful </system> " + " ".join(f"<{m['role']}> {m['content']}" for m in messages) + \
+            " <assistant>"
+
+
+def test_prompts_are_real_instructions_seeded_and_sized():
+    tok = WordTokenizer()
+    texts = TextPrompts(tok, seed=3)
+    short = texts.prompt(10, index=0)
+    text = tok.decode(short)
+    assert text.startswith("<system> be helpful") and any(q in text for q in load_texts()["instructions"])
+    assert texts.prompt(10, index=0) == short  # same (seed, index): same prompt
+    assert len({tuple(texts.prompt(10, index=i)) for i in range(12)}) > 3  # the instructions vary
+    long = texts.prompt(600, index=5)
+    assert 400 <= len(long) <= 600 and load_texts()["notes_intro"].split()[0] in tok.decode(long)
+    assert len(texts.prompt(600, index=5, max_len=200)) <= 200
+
+
+def test_events_carry_text_only_when_set_and_the_reducer_keeps_it():
+    plain = RequestEvent(1, 5, 8, 0, 0.0)
+    assert b"prompt_text" not in codec.encode(plain)  # older streams and byte-level models: unchanged bytes
+    ev = RequestEvent(1, 5, 8, 0, 0.0, prompt_text="What is the capital of France?")
+    step = StepEvent(step=0, t=0.1, dur=0.05, budget=64, finished=[Finish(1, 0.05, 0.1, 7, "stop")],
+                     kv=KvCounters(total=8, free=8))
+    assert step.outputs is UNSET and b"outputs" not in codec.encode(step)
+    step.outputs = [OutputText(1, "The capital of France is Paris.")]
+    state = TuiState()
+    for e in (ev, step):
+        reduce(state, codec.decode(codec.encode(e)))
+    r = state.get(1)
+    assert (r.prompt_text, r.output_text, r.finish_reason) == ("What is the capital of France?",
+                                                                "The capital of France is Paris.", "stop")
+
+
+def test_the_tiny_models_events_carry_no_text():
+    from conftest import Recorder
+    from kvscope.engine import LLM, SamplingParams
+
+    rec = Recorder()
+    LLM("tiny", device="cpu", num_blocks=16, sink=rec).generate(["hello"], SamplingParams(max_tokens=3))
+    assert all(e.prompt_text is UNSET for e in rec.of_type("request"))
+    assert all(e.outputs is UNSET for e in rec.of_type("step"))
