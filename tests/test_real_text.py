@@ -69,3 +69,22 @@ def test_the_tiny_models_events_carry_no_text():
     LLM("tiny", device="cpu", num_blocks=16, sink=rec).generate(["hello"], SamplingParams(max_tokens=3))
     assert all(e.prompt_text is UNSET for e in rec.of_type("request"))
     assert all(e.outputs is UNSET for e in rec.of_type("step"))
+
+
+def test_the_shipped_real_model_trace_shows_real_text_in_request_detail(tmp_path):
+    """traces/smollm2-cpu.kvtrace (SmolLM2-135M on CPU): the detail shot is deterministic and shows the reply."""
+    import os
+
+    from kvscope.traces.reader import TraceReader
+    from kvscope.tui.screenshots import make_detail_screenshot
+
+    path = os.path.join(os.path.dirname(__file__), "..", "traces", "smollm2-cpu.kvtrace")
+    events = list(TraceReader(path))
+    assert events[0].config.model == "smollm2-135m"
+    outputs = [o.text for e in events if e.type == "step" and e.outputs is not UNSET for o in e.outputs]
+    assert outputs and all(o.strip() for o in outputs)
+    a, b = (make_detail_screenshot(path, str(tmp_path / f"{n}.svg")) for n in "ab")
+    with open(a, encoding="utf-8") as fa, open(b, encoding="utf-8") as fb:
+        svg = fa.read()
+        assert svg == fb.read()
+    assert "COMPLETION" in svg and "PROMPT" in svg
