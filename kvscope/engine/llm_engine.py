@@ -262,10 +262,10 @@ class LLMEngine:
             self._waste_steps += 1
         if self.sink is not None:
             dropped = getattr(self.sink, "take_dropped", lambda: 0)()
-            outputs = ([OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
-                       if self._text_tokenizer else None)
+            texts = ([OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
+                     if self._text_tokenizer else None)
             self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
-                                                   dropped, outputs))
+                                                   dropped, texts))
             if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
                 self.publish_snapshot()
         return finished
