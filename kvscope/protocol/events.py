@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Annotated, Literal, Union, get_args
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .engine_info import CpuInfo, CudaInfo, EngineInfo, SimInfo, VllmInfo, engine_info  # noqa: F401
 from .types import (  # noqa: F401 - the schema's field types, re-exported
