@@ -165,3 +165,10 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(named_models.CACHE_ENV, str(tmp_path / "mine"))
     assert named_models.cached_path("smollm2-135m") == str(tmp_path / "mine" / "smollm2-135m" /
                                                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_the_fetch_command_lists_every_named_model():
+    from kvscope.cli.fetch import FETCHABLE
+    from kvscope.engine.named_models import NAMED_MODELS
+
+    assert FETCHABLE == list(NAMED_MODELS)
