@@ -261,16 +261,36 @@ def start_daemon(command: str, argv: list[str], cwd: str, env: dict) -> Daemon:
     http = [(h, p) for a, v in zip(argv, argv[1:]) if a == "--http" for h, _, p in [v.rpartition(":")]]
     deadline = time.monotonic() + UP_TIMEOUT_S
     settle_until = time.monotonic() + 3  # a server given no address: alive for a while counts as up
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"`{command}` exited {proc.returncode} before it came up:\n{_tail(d.output())}")
-        up = all(_accepts(h, p) for h, p in addrs) and all(_http_health(h, int(p)) for h, p in http)
-        if up and (addrs or time.monotonic() > settle_until):
-            return d
-        if time.monotonic() > deadline:
-            stop_daemon(d, check=False)
-            raise AssertionError(f"`{command}` did not come up in {UP_TIMEOUT_S}s:\n{_tail(d.output())}")
-        time.sleep(0.2)
+    # serve binds its sockets before it loads the model (a port in use fails fast), so an accepting events
+    # socket is not yet an engine: without an HTTP /health to ask, wait for its first published frame
+    events = (argv[argv.index("--events") + 1] if subcommand(argv) == "serve" and "--events" in argv[:-1] and not http
+              else None)
+    sub = _subscriber(events) if events else None
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"`{command}` exited {proc.returncode} before it came up:\n{_tail(d.output())}")
+            up = all(_accepts(h, p) for h, p in addrs) and all(_http_health(h, int(p)) for h, p in http)
+            if up and sub is not None:
+                up = bool(sub.poll(200))
+            if up and (addrs or time.monotonic() > settle_until):
+                return d
+            if time.monotonic() > deadline:
+                stop_daemon(d, check=False)
+                raise AssertionError(f"`{command}` did not come up in {UP_TIMEOUT_S}s:\n{_tail(d.output())}")
+            time.sleep(0.2)
+    finally:
+        if sub is not None:
+            sub.close(linger=0)
+
+
+def _subscriber(addr: str):
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(addr)
+    return sub
 
 
 def stop_daemon(d: Daemon, check: bool = True) -> None:
@@ -387,10 +407,11 @@ def run_tui(command: str, cwd: str, env: dict, up_timeout: float = TUI_UP_TIMEOU
             run.pump(0.5)
         assert run.status is None, f"`{command}` exited {run.status} before drawing:\n{_tail(run.text())}"
         assert ALT_SCREEN in run.output, f"`{command}` drew nothing in {up_timeout}s:\n{_tail(run.text())}"
-        drawn = len(run.output)
         run.pump(2.0)  # its first frames, and whatever it does on mount
         assert run.status is None, f"`{command}` exited {run.status} after starting:\n{_tail(run.text())}"
-        assert len(run.output) > drawn, f"`{command}` drew no frame after starting"
+        # a screen was drawn (an idle engine's dashboard need not change again within the wait)
+        screen = run.output[run.output.index(ALT_SCREEN):]
+        assert len(screen) > 500, f"`{command}` drew no frame after starting"
         os.write(run.fd, b"q")
         status = run.wait(STOP_TIMEOUT_S)
         assert status is not None, f"`{command}` did not quit within {STOP_TIMEOUT_S}s of q"
