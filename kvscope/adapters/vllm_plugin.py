@@ -85,10 +85,10 @@ class StepMaker:
     """Turns one record() call into protocol events (pure: no I/O, no clock but the stats' own)."""
 
     def __init__(self, info: dict, wall_start: float) -> None:
-        from kvscope.protocol.events import PROTOCOL_VERSION, EngineInfo, HelloEvent
+        from kvscope.protocol.events import PROTOCOL_VERSION, HelloEvent, engine_info
 
         self.info = info
-        self.hello = HelloEvent(PROTOCOL_VERSION, EngineInfo(**info), wall_start)
+        self.hello = HelloEvent(PROTOCOL_VERSION, engine_info(info), wall_start)  # flat keys into their sections
         self.wall_start = wall_start
         self.step = 0
         self.next_req = 0
