@@ -66,6 +66,29 @@ def test_a_forward_fault_is_pinned_on_its_request_by_running_the_step_in_halves(
     assert not llm.engine.has_unfinished() and llm.engine.block_manager.num_free == llm.engine.num_blocks
 
 
+def test_a_forward_fault_while_decoding_is_pinned_on_its_request(prompts, without_it):
+    """The fault comes once the failing request decodes, in a step of decodes and prefills."""
+    llm = LLM("tiny", **SETTINGS)
+    bad = 2
+    runner = llm.engine.runner
+    forward = runner._forward
+    decoding_steps = []
+
+    def faulty(out):
+        if any(s.req_id == bad and not s.is_prefill for s in out.seqs):
+            decoding_steps.append(out.num_seqs)
+            raise RuntimeError("injected forward fault")
+        return forward(out)
+
+    runner._forward = faulty
+    batch = prompts[:bad] + [[40, 41, 42, 43]] + prompts[bad:]
+    outs = llm.generate(batch, [greedy()] * (N + 1))
+    _check(outs, without_it, bad)
+    assert outs[bad].token_ids and len(outs[bad].token_ids) < N  # it had sampled, then failed while decoding
+    assert max(decoding_steps) > 1  # the fault hit a step shared with others, which went on
+    assert not llm.engine.has_unfinished() and llm.engine.block_manager.num_free == llm.engine.num_blocks
+
+
 @pytest.mark.parametrize("temperature, top_p", [(1e-40, 1.0), (5e-324, 1.0), (1.0, 1e-46), (1e-40, 1e-46)])
 def test_hostile_sampling_values_are_handled_where_they_enter(prompts, without_it, temperature, top_p):
     """A temperature under the floor is greedy; a top_p that rounds to 0 keeps the top token."""

@@ -50,14 +50,9 @@ def _bisect(runner, out: SchedulerOutput, params, why: str) -> tuple[dict[int, i
 
 
 def _subset(out: SchedulerOutput, seqs) -> SchedulerOutput:
-    """The same step with only these sequences (no padding rows, block copies already applied)."""
-    sub = SchedulerOutput(out.step, out.budget)
-    for s in seqs:
-        if s.is_prefill or len(s.token_ids) != 1 or not s.sample:
-            sub.add(s)
-        else:
-            sub.add_decode(s.req_id, s.start_pos, s.token_ids[0], s.block_table)
-    return sub
+    """The same step with only these sequences (no padding rows, block copies already applied); a decode
+    goes in as the general ScheduledSeq it is (the column batch is a scheduler fast path only)."""
+    return SchedulerOutput(out.step, out.budget, seqs=list(seqs))
 
 
 def end_failed(sched, out: SchedulerOutput, failures: dict[int, str], now: float) -> list:
