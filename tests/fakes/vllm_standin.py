@@ -78,21 +78,21 @@ def _cache_info(registry, cfg, num_blocks: int) -> None:
 
 
 class _KvTap:
-    """The block manager's cache listener: its registrations and evictions as vLLM KV-event batches."""
+    """A reader of the block manager's change queue: its registrations and evictions as vLLM KV-event batches."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.pending: list = []
 
-    def stored(self, key: int, parent: int | None, token_ids) -> None:
-        from kvscope.adapters.vllm_wire import Stored
+    def consume(self, kv_events: list) -> None:
+        from kvscope.adapters.vllm_wire import Removed, Stored
+        from kvscope.engine.kv_events import BlockRemoved, BlockStored
 
-        self.pending.append(Stored([key], parent, len(token_ids), self.block_size, "GPU"))
-
-    def removed(self, key: int) -> None:
-        from kvscope.adapters.vllm_wire import Removed
-
-        self.pending.append(Removed([key], "GPU"))
+        for ev in kv_events:
+            if type(ev) is BlockStored:
+                self.pending.append(Stored([ev.key], ev.parent, len(ev.token_ids), self.block_size, "GPU"))
+            elif type(ev) is BlockRemoved:
+                self.pending.append(Removed([ev.key], "GPU"))
 
     def take(self, ts: float):
         from kvscope.adapters.vllm_wire import Batch
@@ -123,7 +123,7 @@ def stream(name: str, seed: int = 0, wall_start: float = 1_700_000_000.0):
     _cache_info(sink.registry, engine.config, engine.num_blocks)
     tap = _KvTap(engine.config.block_size)
     if engine.config.prefix_caching:
-        engine.block_manager.cache_events = tap
+        engine.kv_event_consumers.append(tap.consume)
     reqs = _requests(sc, seed)
     next_scrape = 0.0
     i = 0
