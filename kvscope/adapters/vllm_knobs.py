@@ -99,16 +99,7 @@ def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tu
                         "no other knob is advised until it is")
         return [_knob("--gpu-memory-utilization", gmu, K.GMU_TARGET, "below 0.7 most of the GPU's memory is "
                       "unused, so every other figure is measured on a starved KV cache")], refusals
-    knobs = candidates(verdict, cfg, s)
-    for r in secondary if verdict not in (V.UNDERLOADED, V.COMPUTE_BOUND) else ():
-        if r.score >= 0.5:
-            knobs += candidates(r.bottleneck, cfg, s)[:1]
-    seen: set[str] = set()
-    unique = []
-    for k in knobs:
-        if k.flag not in seen and k.from_ != k.to:
-            seen.add(k.flag)
-            unique.append(k)
+    unique = K.with_runners_up(candidates, verdict, secondary, cfg, s)
     if verdict not in (V.COMPUTE_BOUND, V.UNDERLOADED):
         refusals.append("no more GPUs (--tensor-parallel-size) while scheduler knobs remain: try the knobs above "
                         "first")

@@ -108,15 +108,9 @@ def candidates(verdict: str, cfg: dict, s: Signals) -> list[Knob]:
     return []
 
 
-def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tuple[list[Knob], list[str]]:
-    """Ordered knobs (at most MAX_KNOBS, one per flag) and the refusals that shaped them."""
-    refusals: list[str] = []
-    gmu = cfg.get("gpu_memory_utilization")
-    if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_FLOOR:
-        refusals.append(f"GPU memory utilization {gmu:g} is below {GMU_FLOOR:g}: raise it first; "
-                        "no other knob is advised until it is")
-        return [_knob("--gpu-memory-utilization", gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
-                      "unused, so every other figure is measured on a starved KV pool")], refusals
+def with_runners_up(candidates, verdict: str, secondary, cfg: dict, s) -> list[Knob]:
+    """The verdict's knobs, then the first knob of each strong runner-up, one per flag, none that changes
+    nothing. ``candidates(verdict, cfg, s)`` names the knobs (kvscope's flags, or vLLM's)."""
     knobs = candidates(verdict, cfg, s)
     # underloaded: nothing to tune; compute_bound: the scheduler knobs are exhausted (the runners-up show it)
     for r in secondary if verdict not in (V.UNDERLOADED, V.COMPUTE_BOUND) else ():
@@ -128,6 +122,19 @@ def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tu
         if k.flag not in seen and k.from_ != k.to:
             seen.add(k.flag)
             unique.append(k)
+    return unique
+
+
+def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tuple[list[Knob], list[str]]:
+    """Ordered knobs (at most MAX_KNOBS, one per flag) and the refusals that shaped them."""
+    refusals: list[str] = []
+    gmu = cfg.get("gpu_memory_utilization")
+    if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_FLOOR:
+        refusals.append(f"GPU memory utilization {gmu:g} is below {GMU_FLOOR:g}: raise it first; "
+                        "no other knob is advised until it is")
+        return [_knob("--gpu-memory-utilization", gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
+                      "unused, so every other figure is measured on a starved KV pool")], refusals
+    unique = with_runners_up(candidates, verdict, secondary, cfg, s)
     if verdict not in (V.COMPUTE_BOUND, V.UNDERLOADED) and is_gpu(cfg):
         refusals.append("no more GPUs (--tp) while scheduler knobs remain: try the knobs above first")
     if verdict == V.COMPUTE_BOUND and cfg.get("backend") != "sim":
