@@ -21,8 +21,8 @@ from typing import Iterable
 
 from kvscope.errors import KvscopeError
 
-KVTRACE, JSON, CSV = "kvtrace", "json", "csv"
-_KIND_NAMES = {KVTRACE: "a .kvtrace trace", JSON: "JSON", CSV: "CSV", "text": "text other than CSV"}
+KVTRACE, JSON, CSV, HTML = "kvtrace", "json", "csv", "html"
+_KIND_NAMES = {KVTRACE: "a .kvtrace trace", JSON: "JSON", CSV: "CSV", HTML: "an HTML page", "text": "text other than CSV"}
 _SNIFF_BYTES = 4096
 _TRACE_MAGIC = b"KVTRACE\0"  # kvscope.traces.format.MAGIC (not imported: this module stays light)
 
@@ -32,7 +32,7 @@ class OutputPathError(KvscopeError):
 
 
 def file_kind(path: str) -> str | None:
-    """What an existing regular file holds: kvtrace, json, csv (text whose first line has a comma),
+    """What an existing regular file holds: kvtrace, json, html, csv (text whose first line has a comma),
     text, binary, or None (empty or unreadable: unreadable ones are reported by the write check)."""
     try:
         with open(path, "rb") as f:
@@ -53,6 +53,8 @@ def file_kind(path: str) -> str | None:
         text = head[: e.start].decode("utf-8")
     if text.lstrip()[:1] in ("{", "["):
         return JSON
+    if text.lstrip()[:14].lower() in ("<!doctype html",) or text.lstrip()[:5].lower() == "<html":
+        return HTML
     return CSV if "," in text.split("\n", 1)[0] else "text"
 
 

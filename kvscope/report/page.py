@@ -8,6 +8,7 @@ import os
 from typing import Callable, Sequence
 
 from kvscope.errors import KvscopeError
+from kvscope.output_paths import HTML, check_output
 from kvscope.report import plots
 from kvscope.report.inputs import DIAGNOSIS, MAX_TRACES, RESULTS, TRACE, Input, ReportError, classify, race_traces
 from kvscope.report.series import RunSeries, read_trace
@@ -162,26 +163,6 @@ def _slug(path: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in os.path.basename(path))
 
 
-def check_output(out: str, inputs: Sequence[str]) -> None:
-    from kvscope.traces import format as F
-
-    if os.path.isdir(out):
-        raise ReportError(f"cannot write {out}: it is a directory")
-    for p in inputs:
-        try:
-            same = os.path.samefile(out, p)
-        except OSError:
-            same = os.path.realpath(out) == os.path.realpath(p)
-        if same:
-            raise ReportError(f"cannot write {out}: it is an input of this report")
-    if os.path.isfile(out):
-        with open(out, "rb") as f:
-            head = f.read(512).lstrip().lower()
-        if head and not (head.startswith(b"<!doctype html") or head.startswith(b"<html")):
-            kind = "a .kvtrace" if head.startswith(F.MAGIC.lower()) else "a file that is not HTML"
-            raise ReportError(f"cannot write {out}: it exists and is {kind}")
-
-
 def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None) -> str:
     """The whole page for these inputs."""
     inputs = [classify(p) for p in paths]
@@ -219,7 +200,7 @@ def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None) 
 
 def write_report(paths: Sequence[str], out: str, *, log: Callable[[str], None] = lambda m: None) -> int:
     """Write the page atomically (a temporary file renamed), so a failure leaves no half page."""
-    check_output(out, paths)
+    check_output(out, HTML, flag="--html", inputs=paths)  # the one output rule: never an input, nor another kind
     page = build(paths, log=log)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
