@@ -38,3 +38,17 @@ def test_llama_cpp_is_a_peer_name_but_not_a_default():
 
     assert "llama-cpp" in peers.PEERS
     assert BenchOptions().peers == ["hf-static", "hf-generate-batch"]
+
+
+def test_a_named_real_model_runs_llama_cpp_on_its_cached_gguf(monkeypatch, tmp_path):
+    """`--model smollm2-135m --peers llama-cpp` is the same file both engines load: the cached GGUF."""
+    from kvscope.bench.llama_peer import gguf_path
+    from kvscope.engine import named_models
+    from kvscope.engine.config import EngineConfig
+
+    monkeypatch.setenv(named_models.CACHE_ENV, str(tmp_path))
+    target = named_models.cached_path("smollm2-135m")
+    (tmp_path / "smollm2-135m").mkdir()
+    with open(target, "wb") as f:  # a file of the pinned size counts as cached: nothing is fetched
+        f.truncate(named_models.NAMED_MODELS["smollm2-135m"].file_size)
+    assert gguf_path(EngineConfig(model="smollm2-135m")) == target

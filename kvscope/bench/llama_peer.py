@@ -40,13 +40,9 @@ def gguf_path(config: EngineConfig) -> str:
 
 
 def _named_gguf(name: str) -> str | None:
-    """A named real model's GGUF (e.g. smollm2-135m), where this kvscope knows named models."""
-    try:
-        from kvscope.engine import named_models  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    resolve = getattr(named_models, "gguf_file", None)
-    return resolve(name) if resolve else None
+    """A named real model's GGUF (e.g. smollm2-135m): its cached file, fetched the first time."""
+    from kvscope.engine import named_models
+    return named_models.fetch(name) if name in named_models.NAMED_MODELS else None
 
 
 def load_llama(path: str, threads: int, n_ctx: int):
