@@ -33,6 +33,8 @@ class Row:
     output_tokens: int
     duration_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    ttft_p50_s: float | None = None
+    itl_p50_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -44,14 +46,14 @@ class Row:
                      **extra: Any) -> Row:
         s = m.summary(preemptions=preemptions, kv_waste=kv_waste or 0.0, steps=0)
         return cls(name, s.output_tok_per_s, s.ttft_mean_s, s.ttft_p99_s, s.itl_p99_s, preemptions, kv_waste,
-                   s.output_tokens, s.duration_s, extra)
+                   s.output_tokens, s.duration_s, extra, ttft_p50_s=s.ttft_p50_s, itl_p50_s=s.itl_p50_s)
 
     @classmethod
     def from_samples(cls, name: str, ttft: list[float], itl: list[float], tokens: int, span: float,
                      kv_waste: float | None = None, **extra: Any) -> Row:
         """A peer's row, from its own TTFT and ITL samples and the span it took."""
         return cls(name, tokens / span if span > 0 else 0.0, mean(ttft), percentile(ttft, 99), percentile(itl, 99),
-                   None, kv_waste, tokens, span, extra)
+                   None, kv_waste, tokens, span, extra, ttft_p50_s=percentile(ttft, 50), itl_p50_s=percentile(itl, 50))
 
 
 def bench_workload(config: EngineConfig, workload: str | Any, num_requests: int | None, vocab: int,

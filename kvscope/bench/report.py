@@ -39,8 +39,9 @@ def rows_table(result: dict[str, Any]) -> str:
     threads = (result.get("host") or {}).get("threads")
     if threads is not None:
         heading += f" threads={threads} (kvscope and peers)"
-    header = ("row", "out tok/s", "TTFT mean", "TTFT p99", "ITL p99", "preempt", "KV waste")
-    rows = [(r["name"], f"{r['output_tok_per_s']:.1f}", ms(r["ttft_mean_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p99_s"]),
+    header = ("row", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "preempt", "KV waste")
+    rows = [(r["name"], f"{r['output_tok_per_s']:.1f}", ms(r["ttft_mean_s"]), ms(r.get("ttft_p50_s")),
+             ms(r["ttft_p99_s"]), ms(r.get("itl_p50_s")), ms(r["itl_p99_s"]),
              str(r["preemptions"]) if r["preemptions"] is not None else "-", pct(r["kv_waste"]))
             for r in result["rows"]]
     if any("roofline_pct" in r for r in result["rows"]):  # `kvscope bench --roofline`
