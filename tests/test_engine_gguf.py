@@ -145,3 +145,24 @@ def test_chat_over_http_with_the_openai_client(smollm2, smollm2_path):
                 reasons.append(c.finish_reason)
         assert "".join(parts) == choice.message.content
         assert [r for r in reasons if r] == ["stop"]
+
+
+def test_a_bench_serves_its_own_token_ids_to_their_lengths_on_a_text_model(smollm2, smollm2_path):
+    """Every bench row serves the same work: on a model with a chat template the workload's own requests
+    become real instructions (serve, demo), but a bench's fixed items keep their token ids and run to
+    their max_tokens, as the peers' rows do (once, kvscope's rows served other prompts and stopped at EOS)."""
+    from kvscope.bench.harness import run_config
+    from kvscope.engine.config import EngineConfig
+    from kvscope.workload.generate import WorkloadRequest
+
+    items = [WorkloadRequest(arrival=0.0, prompt=[200 + i] * (10 + i), max_tokens=5 + i) for i in range(3)]
+    seen: list[list[int]] = []
+
+    def record_prompts(engine):
+        add = engine.add_request
+        engine.add_request = lambda prompt, *a, **kw: (seen.append(list(prompt)), add(prompt, *a, **kw))[1]
+
+    config = EngineConfig(model=smollm2_path, device="cpu", dtype="float32", num_blocks=64)
+    _, server = run_config(config, items, before_run=record_prompts)
+    assert seen == [it.prompt for it in items]
+    assert server.metrics.output_tokens == sum(it.max_tokens for it in items)

@@ -125,8 +125,10 @@ class Server:
                 req.reply(ok=True, step=self.engine.scheduler.step_count)
 
     # ---- the loop -----------------------------------------------------------------------
-    def _submit(self, item: wl.WorkloadRequest, arrival: float, *, counted: bool = False) -> None:
-        """Queue one request; ``counted``: its room under max_waiting was taken when it was injected."""
+    def _submit(self, item: wl.WorkloadRequest, arrival: float, *, counted: bool = False,
+                as_given: bool = False) -> None:
+        """Queue one request; ``counted``: its room under max_waiting was taken when it was injected;
+        ``as_given``: served with its own token ids and lengths even on a model that reads text."""
         cap = self.options.max_waiting
         if not counted and cap is not None and len(self.engine.scheduler.waiting) >= cap:
             self.metrics.rejected += 1
@@ -138,7 +140,7 @@ class Server:
                       f"({self.refused} so far)", file=sys.stderr)
             return
         prompt, ignore_eos = item.prompt, item.ignore_eos
-        if self.texts is not None:  # a real reply ends at its end-of-turn token
+        if self.texts is not None and not as_given:  # a real reply ends at its end-of-turn token
             prompt = self.texts.prompt(len(item.prompt), self._submitted, self.engine.max_model_len - 1)
             ignore_eos = False
         self._submitted += 1
@@ -152,6 +154,9 @@ class Server:
                 print(f"kvscope: rejected request: {e}", file=sys.stderr)
 
     def run(self, items: Iterable[wl.WorkloadRequest] | None = None) -> Summary:
+        """Serve `items` as given (a bench's fixed work: every row, kvscope's and the peers', serves the
+        same token ids to the same lengths), or else the workload's own requests."""
+        as_given = items is not None
         source = iter(items) if items is not None else self.requests()
         upcoming = next(source, None)
         start = self.engine.now()
@@ -165,7 +170,7 @@ class Server:
             for item in injected:
                 self._submit(item, start + item.arrival, counted=True)
             while upcoming is not None and start + upcoming.arrival <= now:
-                self._submit(upcoming, start + upcoming.arrival)
+                self._submit(upcoming, start + upcoming.arrival, as_given=as_given)
                 upcoming = next(source, None)
             if not self.paused and self.engine.has_unfinished():
                 finished = self.engine.step()
