@@ -7,6 +7,11 @@ queue. The engine thread drains it between steps (`poll`), blocks on it when idl
 thread-safe (``loop.call_soon_threadsafe``). The text comes from the engine's own
 incremental detokenizer (kvscope.engine.detokenizer), which also ends a request at
 its stop string in the step that produced it.
+
+A job with SamplingParams.n > 1 is n engine sequences (the scheduler forks them from one
+prompt, sharing its KV blocks); each update names its choice `index`, and `remaining`
+says how many of the job's sequences are still running, so the handler knows when the
+whole reply is done. Aborting a job aborts every sequence it still has.
 """
 
 from __future__ import annotations
@@ -35,7 +40,17 @@ class Update:
     code: str = ""  # REJECTED: TOO_LONG, BAD_PROMPT, QUEUE_FULL or STOPPED
     logprobs: list = field(default_factory=list)  # TokenLogprobs of the tokens since the last update
     token_ids: list[int] = field(default_factory=list)  # ACCEPTED: the prompt's; DELTA/DONE: the new output ids
-    index: int = 0  # the choice this update is about (one per request today)
+    index: int = 0  # the choice (sequence sample_index) this update is about
+    remaining: int = 1  # the job's sequences still running after this update (0: the reply is complete)
+
+
+@dataclass(slots=True)
+class SeqCursor:
+    """How much of one of a job's sequences was handed out."""
+
+    index: int
+    sent_ids: int = 0
+    sent_logprobs: int = 0
 
 
 @dataclass(eq=False)
@@ -49,9 +64,8 @@ class Job:
     default_max_tokens: bool = False  # max_tokens was not given: fill the context (chat's default)
     arrival: float | None = None  # when the server received it, on the engine's clock
     add_special_tokens: bool = False  # tokenize the text prompt with the tokenizer's special tokens
-    req_id: int | None = None
-    sent_ids: int = 0  # output ids already handed out
-    sent_logprobs: int = 0
+    req_id: int | None = None  # the first sequence's engine id
+    seqs: dict[int, SeqCursor] = field(default_factory=dict)  # engine id -> cursor, while it runs
 
 
 class EngineBridge:
@@ -59,7 +73,7 @@ class EngineBridge:
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[int, Job] = {}
+        self._live: dict[int, Job] = {}  # every running sequence's engine id -> its job
         self.closed = False
 
     # ---- any thread ----------------------------------------------------------------
@@ -96,8 +110,11 @@ class EngineBridge:
     def _handle(self, what: str, job: Job) -> None:
         if what == "add":
             self._add(job)
-        elif job.req_id is not None and self._live.pop(job.req_id, None) is not None:
-            self.engine.abort_request(job.req_id, FINISH_ABORT)
+        else:
+            for rid in list(job.seqs):  # all n sequences: none may keep its blocks
+                if self._live.pop(rid, None) is not None:
+                    del job.seqs[rid]
+                    self.engine.abort_request(rid, FINISH_ABORT)
 
     def _add(self, job: Job) -> None:
         engine = self.engine
@@ -129,7 +146,10 @@ class EngineBridge:
         except RequestRejected as e:
             job.deliver(Update(REJECTED, error=str(e), code=code))
             return
-        self._live[job.req_id] = job
+        seq_ids = engine.scheduler.requests[job.req_id].seq_ids or [job.req_id]  # in sample_index order
+        for index, rid in enumerate(seq_ids):
+            job.seqs[rid] = SeqCursor(index)
+            self._live[rid] = job
         job.deliver(Update(ACCEPTED, prompt_tokens=len(ids), token_ids=ids))
 
     def after_step(self, finished: list) -> None:
@@ -142,23 +162,29 @@ class EngineBridge:
             req = ended.get(rid) or requests.get(rid)
             if req is None:
                 continue
+            cur = job.seqs[rid]
             done = rid in ended
             n_out = req.num_output_tokens
-            if n_out == job.sent_ids and not done:
+            if n_out == cur.sent_ids and not done:
                 continue
-            new_ids = req.output_token_ids[job.sent_ids:]
-            job.sent_ids = n_out
+            new_ids = req.output_token_ids[cur.sent_ids:]
+            cur.sent_ids = n_out
             logprobs = []
             if req.logprobs is not None:
-                logprobs, job.sent_logprobs = req.logprobs[job.sent_logprobs:], len(req.logprobs)
+                logprobs, cur.sent_logprobs = req.logprobs[cur.sent_logprobs:], len(req.logprobs)
             text = req.detokenizer.take() if req.detokenizer is not None else ""
             update = Update(DONE if done else DELTA, text, prompt_tokens=req.num_prompt_tokens,
-                            completion_tokens=n_out, logprobs=logprobs, token_ids=new_ids)
+                            completion_tokens=n_out, logprobs=logprobs, token_ids=new_ids, index=cur.index)
             if done:
-                del self._live[rid]
-                update.finish_reason = req.finish_reason
-                update.error = req.error or ""
+                self._end(job, rid, update, req.finish_reason, req.error or "")
+            else:
+                update.remaining = len(job.seqs)
             job.deliver(update)
+
+    def _end(self, job: Job, rid: int, update: Update, reason: str | None, error: str = "") -> None:
+        del self._live[rid]
+        del job.seqs[rid]
+        update.finish_reason, update.error, update.remaining = reason, error, len(job.seqs)
 
     def close(self) -> None:
         """The engine stops: every waiting handler gets an answer."""
@@ -170,10 +196,12 @@ class EngineBridge:
                 break
             if what == "add":
                 job.deliver(Update(REJECTED, error="the engine is stopping", code=STOPPED))
-        for job in self._live.values():
-            job.deliver(Update(DONE, finish_reason=FINISH_ABORT))
-        self._live.clear()
+        for rid, job in list(self._live.items()):
+            update = Update(DONE, index=job.seqs[rid].index)
+            self._end(job, rid, update, FINISH_ABORT)
+            job.deliver(update)
 
     @property
     def num_live(self) -> int:
-        return len(self._live)
+        """Jobs with a sequence still running."""
+        return len(set(map(id, self._live.values())))

@@ -216,13 +216,17 @@ class HttpFrontEnd:
             prompt = oa.prompt_of(req)
             params = oa.sampling_params(req, req.max_tokens, oa.COMPLETION_DEFAULT_MAX_TOKENS,
                                         oa.completion_logprobs(req))
+            params.n = oa.completion_best_of(req)
+            if params.n > req.n and params.logprobs is None:
+                params.logprobs = 0  # the sampled tokens' logprobs rank the best_of sequences
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=400)
         job = Job(prompt, params, None, -req.priority, arrival=received,
                   add_special_tokens=req.add_special_tokens is not False)
-        return await self._run(request, job, Reply(req, name, chat=False, tokenizer=self.info.tokenizer))
+        return await self._run(request, job, Reply(req, name, chat=False, tokenizer=self.info.tokenizer,
+                                                   sequences=params.n))
 
     async def chat(self, request: Request) -> Response:
         received = self.bridge.now()
@@ -234,13 +238,15 @@ class HttpFrontEnd:
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req))
             prompt = self._chat_prompt(messages, req)
+            echo = oa.chat_echo(req, messages)
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=400)
         job = Job(prompt, params, None, -req.priority, default_max_tokens=max_tokens is None, arrival=received,
                   add_special_tokens=bool(req.add_special_tokens))
-        return await self._run(request, job, Reply(req, name, chat=True, tokenizer=self.info.tokenizer))
+        return await self._run(request, job, Reply(req, name, chat=True, tokenizer=self.info.tokenizer,
+                                                   sequences=params.n, echo=echo))
 
     def _chat_prompt(self, messages: list[dict[str, str]], req) -> str:
         render = self.info.chat_template
@@ -306,12 +312,12 @@ class HttpFrontEnd:
             u = await self._next(request, job, updates, watch)
             if u is None:
                 return Response(status_code=499)
+            if u.kind == DONE and u.finish_reason == "error":
+                self.bridge.abort(job)  # one of its n sequences failed: the reply cannot be whole
+                return _error(_failed(u))  # this request's own failure: a 500; the others go on
             reply.add(u)
-            if u.kind == DONE:
-                break
-        if u.finish_reason == "error":
-            return _error(_failed(u))  # this request's own failure: a 500; the others go on
-        return _json(reply.final())
+            if u.kind == DONE and u.remaining == 0:
+                return _json(reply.final())
 
     async def _stream(self, job: Job, updates: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
         done = False
@@ -320,10 +326,12 @@ class HttpFrontEnd:
                 yield chunk
             while not done:
                 u = await updates.get()
-                done = u.kind == DONE
-                if done and u.finish_reason == "error":
+                if u.kind == DONE and u.finish_reason == "error":
+                    self.bridge.abort(job)  # the job's other sequences end with it
+                    done = True
                     yield reply.sse(_failed(u).body())
                     break
+                done = u.kind == DONE and u.remaining == 0  # every choice has ended
                 for chunk in reply.chunks(u):
                     yield chunk
                 if done:

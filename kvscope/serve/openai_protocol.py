@@ -17,7 +17,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from kvscope.engine.request import PRIORITY_MAX, PRIORITY_MIN
-from kvscope.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from kvscope.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -60,7 +60,7 @@ class _Request(Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # choices: parallel sampling, n sequences sharing the prompt's KV blocks (1..MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: lower is served first. The engine's priority is its negation, so the range is symmetric,
@@ -108,18 +108,20 @@ _NONE = (None,)
 _FALSE = (None, False)
 # name -> the values that ask for nothing (anything else is a 400 naming the field)
 REFUSED_COMMON: dict[str, tuple] = {
-    "best_of": (None, 1), "use_beam_search": _FALSE, "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "use_beam_search": _FALSE, "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "length_penalty": (None, 1), "logit_bias": (None, {}),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "allowed_token_ids": _NONE,
-    "bad_words": (None, []), "prompt_logprobs": _NONE, "echo": _FALSE, "structured_outputs": _NONE,
+    "bad_words": (None, []), "prompt_logprobs": _NONE, "structured_outputs": _NONE,
     "guided_json": _NONE, "guided_regex": _NONE, "guided_choice": _NONE, "guided_grammar": _NONE,
     "guided_decoding_backend": _NONE, "guided_whitespace_pattern": _NONE, "structural_tag": _NONE,
     "logits_processors": (None, []), "cache_salt": _NONE, "kv_transfer_params": _NONE, "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}), "max_repetition_pattern_size": (None, 0),
     "min_repetition_pattern_size": (None, 0), "repetition_min_count": (None, 0),
 }
-REFUSED_COMPLETION: dict[str, tuple] = {"suffix": (None, ""), "prompt_embeds": _NONE}
+# completions' echo would need the prompt's logprobs; chat's best_of is not in vLLM's sampling for chat
+REFUSED_COMPLETION: dict[str, tuple] = {"suffix": (None, ""), "prompt_embeds": _NONE, "echo": _FALSE}
 REFUSED_CHAT: dict[str, tuple] = {
+    "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "reasoning_effort": _NONE,
     "include_reasoning": (None, True), "documents": (None, []), "chat_template": _NONE, "media_io_kwargs": (None, {}),
 }
@@ -213,9 +215,8 @@ def refuse_unsupported(req: Struct, table: dict[str, tuple]) -> None:
 
 def check_request(req: _Request) -> None:
     """The checks vLLM makes before sampling: n, stream_options, and the refused fields."""
-    if req.n != 1:
-        # kvscope.engine forks no sequences yet; the HTTP side already answers per choice index
-        raise ApiError(400, f"n must be 1: kvscope returns one choice per request (got {req.n})", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be in 1..{MAX_N} (got {req.n})", param="n")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
@@ -255,7 +256,30 @@ def sampling_params(req: _Request, max_tokens: int | None, default_max_tokens: i
                           seed=req.seed, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                           stop=stop_strings(req), stop_token_ids=list(stop_ids),
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+                          skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, n=req.n)
+
+
+def completion_best_of(req: CompletionRequest) -> int:
+    """How many sequences to sample: best_of (vLLM: at least n; the n with the highest cumulative
+    logprob are returned, so it cannot stream), n when it is not given."""
+    best_of = req.best_of
+    if best_of is None:
+        return req.n
+    if type(best_of) is not int or not req.n <= best_of <= MAX_N:
+        raise ApiError(400, f"best_of must be an integer in n..{MAX_N} (n={req.n}, got {_short(best_of)})",
+                       param="best_of")
+    if req.stream and best_of > req.n:
+        raise ApiError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
+    return best_of
+
+
+def chat_echo(req: ChatRequest, messages: list[dict[str, str]]) -> str:
+    """vLLM's chat echo: the reply's content starts with the last message's when that is the assistant's."""
+    if req.echo is not None and type(req.echo) is not bool:
+        raise ApiError(400, f"echo must be a boolean (got {_short(req.echo)})", param="echo")
+    if req.echo and messages[-1]["role"] == "assistant":
+        return messages[-1]["content"]
+    return ""
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:

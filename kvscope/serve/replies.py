@@ -1,7 +1,10 @@
 """One OpenAI reply being built from engine updates: the final object, or its stream of SSE chunks.
 
-It is built per choice index, so a request with n choices is n ChoiceStates; today the
-engine gives each request one sequence (n=1, checked in openai_protocol.check_request).
+It is built per choice index: a request with n choices is n ChoiceStates, one per engine
+sequence (SamplingParams.n). Streamed, every chunk carries one choice's index and each choice
+ends with its own finish_reason chunk (as OpenAI and vLLM stream). usage counts the prompt
+once and sums the choices' tokens (vLLM's count). With completions' best_of > n the engine
+samples best_of sequences and the reply keeps the n with the highest cumulative logprob.
 """
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ class ChoiceState:
     logprobs: list = field(default_factory=list)  # TokenLogprobs
     finish_reason: str | None = None
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
+    completion_tokens: int = 0
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs)
 
 
 class Reply:
-    def __init__(self, req, model: str, *, chat: bool, tokenizer) -> None:
+    def __init__(self, req, model: str, *, chat: bool, tokenizer, sequences: int = 1, echo: str = "") -> None:
+        """sequences: how many the engine samples (n, or best_of); echo: chat's text the content starts with."""
         self.chat = chat
         self.model = model
         self.tokenizer = tokenizer
@@ -39,9 +48,11 @@ class Reply:
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
         self.wants_logprobs = (req.logprobs is not None) if not chat else bool(req.logprobs)
+        self.keep = req.n  # choices in the reply (fewer than sequences with best_of)
+        self.echo = echo
         self.as_token_ids = req.return_tokens_as_token_ids
         self.return_token_ids = req.return_token_ids
-        self.choices = {0: ChoiceState(0)}
+        self.choices = {i: ChoiceState(i) for i in range(sequences)}
         self.prompt_ids: list[int] = []
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -88,23 +99,34 @@ class Reply:
         c.text.append(u.text)
         c.token_ids += u.token_ids
         c.logprobs += u.logprobs
-        self.completion_tokens = u.completion_tokens
+        self._count(u)
         if u.kind == DONE:
             c.finish_reason = oa.openai_finish_reason(u.finish_reason)
 
+    def _count(self, u: Update) -> None:
+        self.choices[u.index].completion_tokens = u.completion_tokens
+        self.completion_tokens = sum(c.completion_tokens for c in self.choices.values())
+
+    def _kept(self) -> list[tuple[int, ChoiceState]]:
+        """(reply index, choice): all of them, or with best_of the `keep` best by cumulative logprob."""
+        states = list(self.choices.values())
+        if len(states) > self.keep:
+            states = sorted(states, key=lambda c: (-c.cumulative_logprob, c.index))[: self.keep]
+        return list(enumerate(states))
+
     def final(self):
         ids = (lambda c: c.token_ids) if self.return_token_ids else (lambda c: msgspec.UNSET)
+        kept = self._kept()
         if self.chat:
-            choices = [oa.ChatChoice(c.index, oa.ChatMessage("assistant", "".join(c.text)),
-                                     self._chat_logprobs(c.logprobs), c.finish_reason, ids(c))
-                       for c in self.choices.values()]
+            choices = [oa.ChatChoice(i, oa.ChatMessage("assistant", self.echo + "".join(c.text)),
+                                     self._chat_logprobs(c.logprobs), c.finish_reason, ids(c)) for i, c in kept]
             cls = oa.ChatResponse
         else:
-            choices = [oa.CompletionChoice(c.index, "".join(c.text), self._completion_logprobs(c, c.logprobs),
-                                           c.finish_reason, ids(c)) for c in self.choices.values()]
+            choices = [oa.CompletionChoice(i, "".join(c.text), self._completion_logprobs(c, c.logprobs),
+                                           c.finish_reason, ids(c)) for i, c in kept]
             cls = oa.CompletionResponse
         return cls(self.id, self.object, self.created, self.model, choices,
-                   oa.usage(self.prompt_tokens, self.completion_tokens),
+                   oa.usage(self.prompt_tokens, sum(c.completion_tokens for _, c in kept)),
                    self.prompt_ids if self.return_token_ids else msgspec.UNSET)
 
     # ---- streaming -------------------------------------------------------------------------
@@ -123,13 +145,17 @@ class Reply:
         return self.sse(cls(self.id, obj, self.created, self.model, choices, usage, prompt_ids))
 
     def opening(self) -> list[bytes]:
+        """Chat opens each choice with its role (then the echoed text), one chunk per choice as vLLM does."""
         if not self.chat:
             return []
-        return [self._chunk([oa.ChatStreamChoice(i, oa.DeltaMessage(role="assistant", content=""))
-                             for i in self.choices])]
+        out = [self._chunk([oa.ChatStreamChoice(i, oa.DeltaMessage(role="assistant", content=""))])
+               for i in self.choices]
+        if self.echo:
+            out += [self._chunk([oa.ChatStreamChoice(i, oa.DeltaMessage(content=self.echo))]) for i in self.choices]
+        return out
 
     def chunks(self, u: Update) -> list[bytes]:
-        self.completion_tokens = u.completion_tokens
+        self._count(u)
         done = u.kind == DONE
         if not (u.text or u.logprobs or done or (self.return_token_ids and u.token_ids)):
             return []
