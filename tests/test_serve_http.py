@@ -182,7 +182,8 @@ BAD = [
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": "5"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 65}).encode(), 400, "n"),
     (json.dumps({"model": "tiny", "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": "tiny", "prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
     (json.dumps({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}).encode(), 400,
@@ -213,7 +214,7 @@ def test_bad_chat_requests_and_the_client_errors(live, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 600}])
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=65)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])

@@ -189,17 +189,18 @@ def test_a_chat_template_gets_the_switches_and_kwargs():
 
 # ---- no field silently ignored -------------------------------------------------------------------
 NOT_NEUTRAL = {
-    "best_of": 2, "use_beam_search": True, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "use_beam_search": True, "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "repetition_penalty": 1.2, "length_penalty": 0.5, "logit_bias": {"5": 10}, "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"], "prompt_logprobs": 1,
-    "echo": True, "structured_outputs": {"choice": ["a"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "structured_outputs": {"choice": ["a"]}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "logits_processors": ["m.P"], "cache_salt": "s",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
     "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
 }
-COMPLETION_ONLY = {"suffix": "end", "prompt_embeds": "AAAA"}
-CHAT_ONLY = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+COMPLETION_ONLY = {"suffix": "end", "prompt_embeds": "AAAA", "echo": True}  # chat's echo works
+CHAT_ONLY = {"best_of": 2,  # completions' best_of works
+             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
              "reasoning_effort": "high", "include_reasoning": False, "documents": [{"title": "t", "text": "x"}],
              "chat_template": "{{ messages }}", "media_io_kwargs": {"a": 1}}
 
