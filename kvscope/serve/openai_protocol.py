@@ -118,7 +118,7 @@ REFUSED_COMMON: dict[str, tuple] = {
     "mm_processor_kwargs": (None, {}), "max_repetition_pattern_size": (None, 0),
     "min_repetition_pattern_size": (None, 0), "repetition_min_count": (None, 0),
 }
-# completions' echo would need the prompt's logprobs; chat's best_of is not in vLLM's sampling for chat
+# completions' echo would need the prompt's logprobs; best_of works on completions only
 REFUSED_COMPLETION: dict[str, tuple] = {"suffix": (None, ""), "prompt_embeds": _NONE, "echo": _FALSE}
 REFUSED_CHAT: dict[str, tuple] = {
     "best_of": (None, 1),
