@@ -32,6 +32,7 @@ class WhatIf(msgspec.Struct, kw_only=True):
     note: str
     calibrated: bool = False
     calibration: dict | None = None  # fitted efficiencies, fit quality
+    caution: str = ""  # why the predictions deserve less trust than usual (a loose calibration), or ""
     requests: int = 0  # requests replayed
     of_requests: int = 0  # requests in the trace
     trace: RunFigures | None = None  # the trace's own figures over the replayed requests
@@ -140,7 +141,13 @@ def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int
         f"model-backend trace: calibrated the sim ({calibration['model']} on {calibration['gpu']}, "
         f"step-time error {calibration['mean_abs_rel_err']:.0%}) before replaying")
     part = f"all {n} requests" if count == n else f"the first {count} of {n} requests (to bound the replay)"
+    caution = ""
+    if calibration is not None:
+        from kvscope.analysis.calibrate import fit_caution
+
+        caution = fit_caution(calibration["mean_abs_rel_err"], calibration["r2"])
     return WhatIf(ran=True, note=f"{what}; replayed {part}", calibrated=calibrated, calibration=calibration,
+                  caution=caution,
                   requests=count, of_requests=n, trace=tr.figures({r.req for r in reqs}), baseline=base.figures,
                   sim_steps=steps, wall_s=wall)
 

@@ -80,6 +80,8 @@ def _body(d: Diagnosis) -> list[str]:
                 lines.append("       (no prediction: the sim could not run this setting)")
     if w is not None:
         lines += ["", f"what-if: {w.note}"]
+        if w.caution:
+            lines.append(f"  caution: {w.caution}")
         if w.ran:
             lines.append("  how far to trust it: the sim's baseline beside the trace's own figures")
             lines += figures_table([("trace", w.trace), ("sim baseline", w.baseline)], "    ")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvscope.engine.errors import KvscopeError
+
+if TYPE_CHECKING:  # the header reader runs without torch (the sim catalog reads a GGUF's shape)
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 # GGUF's general.architecture values kvscope serves (Mistral files say "llama")
@@ -32,6 +34,14 @@ MAX_STRING = 1 << 24
 MAX_DIMS = 8
 # GGUF value types: fixed sizes; 8 is a string, 9 an array
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_INT_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+# "{architecture}.KEY" fields that give the model's shape (GGUF's names), and the transformers
+# config field each one is
+SHAPE_KEYS = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+              "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+              "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
+              "context_length": "max_position_embeddings", "vocab_size": "vocab_size"}
+TOKENS_KEY = "tokenizer.ggml.tokens"  # its length is the vocabulary where no vocab_size key is written
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class GgufHeader:
     architecture: str
     name: str
     tensor_types: frozenset[int]  # GGML type ids of the tensors
+    shape: dict[str, int] = field(default_factory=dict)  # transformers config names -> the header's values
+    tied_embeddings: bool = False  # no output.weight tensor: the lm_head is the token embedding
 
     def quant_names(self) -> list[str]:
         return sorted(_type_name(t) for t in self.tensor_types)
@@ -70,6 +82,18 @@ class _Reader:
             raise KvscopeError(f"{self.path}: a header string claims {n} bytes")
         return self.take(n).decode("utf-8", errors="replace")
 
+    def skip_strings(self, count: int) -> None:
+        """Past an array of strings (a vocabulary: ~100k of them), without decoding any; a tight loop."""
+        read, seek, unpack = self.f.read, self.f.seek, struct.unpack
+        for _ in range(count):
+            raw = read(8)
+            if len(raw) != 8:
+                raise KvscopeError(f"{self.path} is not a complete GGUF file (it ends inside its header)")
+            n = unpack("<Q", raw)[0]
+            if n > MAX_STRING:
+                raise KvscopeError(f"{self.path}: a header string claims {n} bytes")
+            seek(n, os.SEEK_CUR)
+
     def value(self, kind: int, keep: bool):
         if kind == 8:
             return self.string()
@@ -79,17 +103,23 @@ class _Reader:
                 raise KvscopeError(f"{self.path}: a header array claims {count} entries")
             if item in _SCALAR_SIZES:
                 self.f.seek(count * _SCALAR_SIZES[item], os.SEEK_CUR)
+            elif item == 8:
+                self.skip_strings(count)
             else:
                 for _ in range(count):
                     self.value(item, keep=False)
-            return None
+            return ("array", count) if keep else None
         if kind not in _SCALAR_SIZES:
             raise KvscopeError(f"{self.path}: unknown GGUF value type {kind}")
-        return self.take(_SCALAR_SIZES[kind]) if keep else self.f.seek(_SCALAR_SIZES[kind], os.SEEK_CUR)
+        if not keep:
+            self.f.seek(_SCALAR_SIZES[kind], os.SEEK_CUR)
+            return None
+        data = self.take(_SCALAR_SIZES[kind])
+        return struct.unpack(_INT_FORMATS[kind], data)[0] if kind in _INT_FORMATS else data
 
 
 def read_header(path: str) -> GgufHeader:
-    """The architecture, name and tensor types of a GGUF file, read from its header only."""
+    """The architecture, name, tensor types and shape of a GGUF file, read from its header only."""
     try:
         with open(path, "rb") as f:
             r = _Reader(f, path)
@@ -102,15 +132,27 @@ def read_header(path: str) -> GgufHeader:
             if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
                 raise KvscopeError(f"{path}: header claims {n_tensors} tensors and {n_kv} keys")
             fields: dict[str, str] = {}
+            ints: dict[str, int] = {}  # "{architecture}.KEY" shape fields, of whichever architecture
+            tokens = None
             for _ in range(n_kv):
                 key = r.string()
                 kind = r.u32()
-                value = r.value(kind, keep=key in ("general.architecture", "general.name"))
+                shape_key = key.split(".", 1)[-1] in SHAPE_KEYS
+                value = r.value(kind, keep=shape_key or key in ("general.architecture", "general.name", TOKENS_KEY))
                 if isinstance(value, str):
                     fields[key] = value
+                elif shape_key and isinstance(value, int):  # a per-layer array is no one shape: left out
+                    ints[key] = value
+                elif key == TOKENS_KEY and isinstance(value, tuple):
+                    tokens = value[1]
+            arch = fields.get("general.architecture", "")
+            shape = {SHAPE_KEYS[k.split(".", 1)[1]]: v for k, v in ints.items() if k.startswith(f"{arch}.")}
+            if "vocab_size" not in shape and tokens is not None:
+                shape["vocab_size"] = tokens
             types = set()
+            has_output = False
             for _ in range(n_tensors):
-                r.string()
+                has_output |= r.string() == "output.weight"
                 dims = r.u32()
                 if dims > MAX_DIMS:
                     raise KvscopeError(f"{path}: a tensor claims {dims} dimensions")
@@ -119,7 +161,10 @@ def read_header(path: str) -> GgufHeader:
                 r.u64()
     except OSError as e:
         raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
-    return GgufHeader(fields.get("general.architecture", ""), fields.get("general.name", ""), frozenset(types))
+    if "head_dim" not in shape and shape.get("num_attention_heads") and "hidden_size" in shape:
+        shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]  # transformers' default too
+    return GgufHeader(fields.get("general.architecture", ""), fields.get("general.name", ""), frozenset(types),
+                      shape, tied_embeddings=not has_output)
 
 
 def _dequantizable() -> dict[int, str]:

