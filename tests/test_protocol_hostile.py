@@ -204,7 +204,7 @@ def _ask(srv, sock, *parts) -> tuple[dict, list]:
     """Send one request (parts as frames), poll the server until it answers; (reply, requests seen)."""
     sock.send_multipart(list(parts))
     seen = []
-    end = time.monotonic() + 10
+    end = time.monotonic() + 60
     while time.monotonic() < end:
         for req in srv.poll():
             seen.append(req)
