@@ -51,10 +51,12 @@ MARKER_RE = re.compile(r"^<!--\s*doc-test:")
 COMMAND_TIMEOUT_S = 300  # one command that ends
 UP_TIMEOUT_S = 180  # a server's imports and model load
 TUI_UP_TIMEOUT_S = 240  # race runs its configurations before the compare screen opens
-STOP_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 60  # Ctrl-C: a server closes its trace and sockets, at nice 19 beside other jobs
 DAEMON_COMMANDS = ("record", "web")
 TUI_COMMANDS = ("tui", "replay", "compare", "demo")
 ALT_SCREEN = b"\x1b[?1049h"  # Textual switches to the alternate screen once it runs
+FRAME_BYTES = 500  # more than the alternate-screen switch and cursor setup: a drawn screen
+AFTER_FRAME_S = 0.5
 
 
 @dataclass
@@ -407,11 +409,14 @@ def run_tui(command: str, cwd: str, env: dict, up_timeout: float = TUI_UP_TIMEOU
             run.pump(0.5)
         assert run.status is None, f"`{command}` exited {run.status} before drawing:\n{_tail(run.text())}"
         assert ALT_SCREEN in run.output, f"`{command}` drew nothing in {up_timeout}s:\n{_tail(run.text())}"
-        run.pump(2.0)  # its first frames, and whatever it does on mount
+        # its first frame: a screen drawn (an idle engine's dashboard need not change again after it)
+        drawn = lambda: len(run.output) - run.output.index(ALT_SCREEN) > FRAME_BYTES  # noqa: E731
+        while not drawn() and run.status is None and time.monotonic() < deadline:
+            run.pump(0.2)
         assert run.status is None, f"`{command}` exited {run.status} after starting:\n{_tail(run.text())}"
-        # a screen was drawn (an idle engine's dashboard need not change again within the wait)
-        screen = run.output[run.output.index(ALT_SCREEN):]
-        assert len(screen) > 500, f"`{command}` drew no frame after starting"
+        assert drawn(), f"`{command}` drew no frame after starting"
+        run.pump(AFTER_FRAME_S)  # whatever it does once drawn (timers, the first poll) before q
+        assert run.status is None, f"`{command}` exited {run.status} after drawing:\n{_tail(run.text())}"
         os.write(run.fd, b"q")
         status = run.wait(STOP_TIMEOUT_S)
         assert status is not None, f"`{command}` did not quit within {STOP_TIMEOUT_S}s of q"

@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from _helpers import DEADLINE_S
+
 from kvscope.engine import LLMEngine
 from kvscope.engine.config import EngineConfig
 from kvscope.protocol.sinks import FanOut
@@ -41,7 +43,7 @@ class Live:
     recorder: Recorder
     base_url: str
 
-    def wait_until(self, cond, timeout: float = 10.0, what: str = "condition") -> None:
+    def wait_until(self, cond, timeout: float = DEADLINE_S, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > deadline:

@@ -7,23 +7,17 @@ import os
 import pty
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from _helpers import DEADLINE_S, free_port
 
 from kvscope.cli.common import NoProgress, progress_bar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -72,7 +66,7 @@ class Proc:
             time.sleep(0.05)
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=DEADLINE_S)
         self.drain()
         os.close(self.master)
         return self.proc.returncode
@@ -97,9 +91,9 @@ def test_serve_http_as_the_readme_writes_it_answers_and_stops_cleanly(tmp_path, 
              terminal=terminal, cwd=str(tmp_path))
     try:
         p.wait_http(port)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=DEADLINE_S).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=DEADLINE_S,
                        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1

@@ -10,19 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import free_port
 
 from kvscope.cli import main
 from kvscope.engine.errors import KvscopeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def one_line_exit_2(argv: list[str], capsys, needle: str) -> str:

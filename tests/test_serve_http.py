@@ -168,7 +168,7 @@ def test_clients_hanging_up_leave_nothing_running(live):
                 assert got[0].startswith("data: ")
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(live.base_url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
-    live.wait_until(live.idle, timeout=10, what="the aborted requests to leave the engine")
+    live.wait_until(live.idle, what="the aborted requests to leave the engine")
     aborts = sum(f.reason == FINISH_ABORT for s in live.recorder.of_type("step") for f in s.finished)
     assert aborts - aborts_before == 7
     assert live.engine.block_manager.num_used == 0

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from _helpers import DEADLINE_S, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine import LLMEngine, SamplingParams
@@ -155,15 +155,9 @@ def test_values_agree_with_the_events(run):
     assert _value(families, "kvscope:blocked_steps", "kvscope:blocked_steps_total") == blocked > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_port_alone_serves_the_sink():
     engine = LLMEngine(EngineConfig(backend="sim", model="qwen3-0.6b", gpu="l4", num_blocks=64))
-    port = _free_port()
+    port = free_port()
     front = FrontEnd(engine, http=None, metrics_port=port, served_model_name="m", allow_remote=False)
     engine.attach(front.sink)
     front.start()
@@ -171,7 +165,7 @@ def test_metrics_port_alone_serves_the_sink():
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
         while engine.has_unfinished():
             engine.step()
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=DEADLINE_S).text
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         assert _value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total") == 3
     finally:
@@ -182,7 +176,7 @@ def test_cli_serve_http_end_to_end(tmp_path):
     """`kvscope serve --http` as a user runs it: answers, exposes /metrics, stops cleanly on SIGTERM."""
     import openai
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvscope", "serve", "--http", f"127.0.0.1:{port}", "--backend", "sim",
            "--model", "qwen3-0.6b", "--gpu", "l4", "--served-model-name", "demo", "--no-progress",
            "--record", str(tmp_path / "http.kvtrace")]
@@ -198,14 +192,14 @@ def test_cli_serve_http_end_to_end(tmp_path):
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30) as c:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
             out = c.completions.create(model="demo", prompt=[5, 6, 7], max_tokens=4)
             assert out.usage.completion_tokens == 4
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=DEADLINE_S).text
         assert 'vllm:generation_tokens_total{engine="0",model_name="demo"} 4.0' in text
     finally:
         proc.terminate()
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     from kvscope.traces.reader import TraceReader

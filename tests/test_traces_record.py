@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from _helpers import DEADLINE_S, wait_for
 from fakes.streams import SimRun
 
 pytest.importorskip("zmq")
@@ -49,15 +50,15 @@ def test_late_recorder_writes_a_replayable_trace(tmp_path, hello_first):
 
     th = threading.Thread(target=engine, daemon=True)
     th.start()
-    time.sleep(0.05)  # recorder joins late: it missed the hello
+    assert wait_for(lambda: synth.done_step >= 5), "the engine never got under way"  # recorder joins late: it missed the hello
     seen = []
     path = tmp_path / "rec.kvtrace"
     try:
-        n = record(pub.addr, path, control_addr=ctl.addr, stop_after_s=30, on_event=seen.append,
+        n = record(pub.addr, path, control_addr=ctl.addr, stop_after_s=DEADLINE_S, on_event=seen.append,
                    chunk_steps=10, ask_every_s=0.05)
     finally:
         stop_engine.set()
-        th.join(10)
+        th.join(DEADLINE_S)
         ctl.close()
         pub.close()
     assert n > 0 and len(asked) >= 2

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from _helpers import DEADLINE_S
 from fakes.sources import ListSource, MemoryTrace
 from fakes.streams import SimRun, sim_stream
 
@@ -186,7 +187,7 @@ async def test_repaints_are_coalesced():
         r0 = app.repaints
         t.start()
         t.join()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + DEADLINE_S
         while app.events_applied < fed and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         elapsed = time.monotonic() - t0
@@ -250,7 +251,7 @@ class FakeEngine:
             self.pub.extend(self.eng.step())
 
 
-async def wait_until(app, pilot, cond, timeout=10.0):
+async def wait_until(app, pilot, cond, timeout=DEADLINE_S):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         app.pump()
@@ -323,7 +324,7 @@ async def test_live_backlog_overflow_drops_the_oldest_and_counts_them():
     fake.pub.extend([fake.eng.hello()] + [ev for _ in range(30) for ev in fake.eng.step()])
     sent = list(fake.pub)
     src.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + DEADLINE_S
     while src.received < len(sent) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     src.close()
@@ -382,7 +383,7 @@ async def test_live_subscriber_error_is_shown():
     app = KvscopeApp(src, auto_tick=False)
     try:
         async with app.run_test(size=(80, 24), notifications=True) as pilot:
-            deadline = time.monotonic() + 2
+            deadline = time.monotonic() + DEADLINE_S
             while src.error is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             app.pump()

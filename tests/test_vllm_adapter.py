@@ -13,15 +13,7 @@ from kvscope.adapters.vllm_metrics import parse, quantile
 from kvscope.adapters.vllm_source import VllmSource
 from kvscope.adapters.vllm_wire import WireError, decode_batch
 from tests.fakes.vllm import FakeKvPublisher, FakeMetricsServer
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+from tests._helpers import wait_for
 
 
 def live_connected(pub, source, timeout: float = 30.0) -> None:

@@ -28,15 +28,7 @@ from kvscope.protocol.codec import ProtocolError, UnknownEventType, decode
 from kvscope.protocol.events import INT64_MAX, VllmKvEvent, VllmMetricsEvent, VllmSnapshotEvent
 from kvscope.traces.reader import TraceReader
 from tests.fakes.vllm import MODEL, FakeKvPublisher, FakeMetricsServer
-
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+from tests._helpers import wait_for
 
 
 def _cache_fields(c: CacheView) -> dict:

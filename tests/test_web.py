@@ -12,23 +12,17 @@ import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from _helpers import DEADLINE_S, free_port
 
 from kvscope.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 TRACE = os.path.join(os.path.dirname(__file__), "..", "traces", "demo-cpu.kvtrace")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_web_refuses_a_remote_host_without_the_flag(capsys):
@@ -52,16 +46,21 @@ def _wait_http(port: int, timeout: float) -> None:
     raise AssertionError("kvscope web did not answer")
 
 
+DRAWN_PNG_BYTES = 20_000  # a drawn dashboard, not the near-empty intro page
+
+
 async def _browse(url: str, debug_port: int, wait_s: float, shot: str) -> bool:
     import aiohttp
 
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
+        end = time.monotonic() + wait_s
+        while True:  # Chromium's DevTools endpoint comes up after the browser has started
             try:
                 async with http.get(f"http://127.0.0.1:{debug_port}/json/version") as r:
                     await r.json()
                 break
             except aiohttp.ClientError:
+                assert time.monotonic() < end, "Chromium's DevTools endpoint never answered"
                 await asyncio.sleep(0.1)
         async with http.put(f"http://127.0.0.1:{debug_port}/json/new?{url}") as r:
             target = json.loads(await r.text())
@@ -85,30 +84,34 @@ async def _browse(url: str, debug_port: int, wait_s: float, shot: str) -> bool:
                     started = True
                     break
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(3.0)  # let the dashboard draw a few frames
-            png = await call("Page.captureScreenshot", format="png")
+            # the dashboard draws its frames after the first byte: shoot until one shows it (or the deadline)
+            while True:
+                png = base64.b64decode((await call("Page.captureScreenshot", format="png"))["data"])
+                if len(png) > DRAWN_PNG_BYTES or time.monotonic() > end:
+                    break
+                await asyncio.sleep(0.5)
             with open(shot, "wb") as f:
-                f.write(base64.b64decode(png["data"]))
+                f.write(png)
             return started
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)")
 def test_replay_in_a_browser(tmp_path):
-    port, debug = _port(), _port()
+    port, debug = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     web = subprocess.Popen([sys.executable, "-m", "kvscope", "web", "--port", str(port), "replay", TRACE],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     browser = None
     try:
-        _wait_http(port, 30.0)
+        _wait_http(port, DEADLINE_S)
         browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
                                     f"--remote-debugging-port={debug}", "--window-size=1280,800",
                                     f"--user-data-dir={tmp_path / 'profile'}", "about:blank"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shot = tmp_path / "web.png"
-        started = asyncio.run(_browse(f"http://127.0.0.1:{port}/", debug, 60.0, str(shot)))
+        started = asyncio.run(_browse(f"http://127.0.0.1:{port}/", debug, DEADLINE_S, str(shot)))
         assert started, "the app's output never reached the browser's terminal"
-        assert shot.stat().st_size > 20_000  # a drawn dashboard, not the near-empty intro page
+        assert shot.stat().st_size > DRAWN_PNG_BYTES, "the browser never showed a drawn dashboard"
     finally:
         for p in (browser, web):
             if p is not None:
