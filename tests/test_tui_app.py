@@ -198,9 +198,14 @@ async def test_repaints_are_coalesced():
 
 # ------------------------------------------------------------------------------ live
 class FakeEngine:
-    """Stands in for an engine: a PUB queue the subscriber reads, and control replies."""
+    """Stands in for an engine: a PUB queue the subscriber reads, and control replies.
+
+    A real engine answers a snapshot between two steps; `lock` does the same here, so a snapshot
+    asked for from the source's control thread never interleaves with a step the test publishes
+    (when it did, a half-stepped snapshot left the view stale, and the fixed clock never let it ask again)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.eng = SimRun(seed=4, arrival_p=0.6)
         self.pub: collections.deque = collections.deque()
         self.up = True
@@ -234,8 +239,9 @@ class FakeEngine:
                 if not engine.up:
                     return {"ok": False, "error": "timeout"}
                 if cmd == "snapshot":
-                    engine.pub.extend([engine.eng.hello(), engine.eng.snapshot()])
-                    return {"ok": True, "step": engine.eng.done_step}
+                    with engine.lock:
+                        engine.pub.extend([engine.eng.hello(), engine.eng.snapshot()])
+                        return {"ok": True, "step": engine.eng.done_step}
                 if cmd in ("pause", "resume"):
                     engine.paused = cmd == "pause"
                     return {"ok": True, "paused": engine.paused}
@@ -248,7 +254,14 @@ class FakeEngine:
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
-            self.pub.extend(self.eng.step())
+            self.step()
+
+    def step(self) -> list:
+        """One engine step, published; its events."""
+        with self.lock:
+            evs = self.eng.step()
+            self.pub.extend(evs)
+            return evs
 
 
 async def wait_until(app, pilot, cond, timeout=DEADLINE_S):
@@ -276,7 +289,8 @@ async def test_live_mode_survives_late_start_drops_and_restart():
             assert "disconnected" in text_of(app.screen.query_one(HeaderBar))
             # the engine comes up mid-stream: we missed its hello
             fake.up = True
-            fake.eng.step()
+            with fake.lock:
+                fake.eng.step()  # a step nobody saw
             fake.run(20)
             assert await wait_until(app, pilot, lambda: app.state.step > 0 and not app.state.stale)
             assert "snapshot" in fake.calls  # asked for one on first contact / while stale
@@ -289,11 +303,12 @@ async def test_live_mode_survives_late_start_drops_and_restart():
             await pilot.press("space")
             assert await wait_until(app, pilot, lambda: not app.engine_paused)
             # dropped events: counter and stale until the next snapshot
-            evs = fake.eng.step()
-            for ev in evs:
-                if isinstance(ev, StepEvent):
-                    ev.dropped = 7
-            fake.pub.extend(evs)
+            with fake.lock:
+                evs = fake.eng.step()
+                for ev in evs:
+                    if isinstance(ev, StepEvent):
+                        ev.dropped = 7
+                fake.pub.extend(evs)
             assert await wait_until(app, pilot, lambda: app.state.dropped == 7)
             clock.t += 1.1  # snapshot requests are rate-limited to one a second
             assert await wait_until(app, pilot, lambda: not app.state.stale)  # resynced
@@ -306,8 +321,9 @@ async def test_live_mode_survives_late_start_drops_and_restart():
             assert "disconnected" in text_of(app.screen.query_one(HeaderBar))
             # a new engine run: hello, snapshot at step 0, steps from 1
             fake.up = True
-            fake.eng = SimRun(seed=8)
-            fake.pub.extend([fake.eng.hello(), fake.eng.snapshot()])
+            with fake.lock:
+                fake.eng = SimRun(seed=8)
+                fake.pub.extend([fake.eng.hello(), fake.eng.snapshot()])
             clock.t += 0.1
             fake.run(5)
             assert await wait_until(app, pilot, lambda: app.state.conn == CONN_LIVE and app.state.step == 5)

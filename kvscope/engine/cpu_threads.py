@@ -6,14 +6,18 @@ alone and 309 beside a busy loop with 2 threads, against 1,360 with one thread. 
 better depends on the load, which changes while the engine runs, so when --cpu-threads is left
 out the runner keeps measuring:
 
-- it runs on the best count so far (every core at first) and, every `gap` steps, a short probe
-  of `probe_steps` steps on each other candidate;
+- it runs on the best count so far (every core at first) and, every `gap` steps, probes each other
+  candidate in `probe_pairs` pairs of adjacent steps, one on the best count and the next on the
+  candidate: two adjacent steps serve nearly the same batch, under nearly the same load;
 - each step's time is set against its work, priced by the sim's cost model (the same step at any
-  thread count costs the same work, whatever its mix of prefill and decode), so probe and
-  baseline windows of different batches compare;
-- a probe that is clearly faster (by `switch_margin`) takes over and the gap restarts short; a
-  probe that loses doubles the gap, up to `max_gap`, so on a steady machine probing costs a few
-  percent at most, and a competitor that arrives later is still noticed.
+  thread count costs the same work, whatever its mix of prefill and decode), and a pair's ratio is
+  the candidate's time per unit of work over the best count's; the median over the pairs decides,
+  so one step that met a burst of load or a different batch does not;
+- a candidate whose median is clearly faster (by `switch_margin`) takes over, and the next probe (of
+  the count it replaced) waits a few gaps; one that loses doubles the gap, up to `max_gap`, and one
+  that loses clearly in its first two pairs is not run further, so on a steady machine probing costs a few
+  percent at most, and a competitor that arrives later is still noticed. The first probe comes a
+  few steps in, so a machine that is already shared is found out at once.
 
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
 imported unless the user set it), so a waiting thread does not take a core from the competitor.
@@ -24,11 +28,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import deque
 from contextlib import contextmanager
+from statistics import median
 from typing import Callable, Iterator
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+CLEAR_LOSS = 1.5  # a candidate whose first two pairs are both this much slower ends its probe there
+AFTER_SWITCH = 4  # after a switch the next probe waits this many first gaps
 
 
 def prefer_passive_wait() -> None:
@@ -40,11 +46,11 @@ def prefer_passive_wait() -> None:
 class ThreadTuner:
     """Chooses among candidate thread counts from (seconds, work) of each step; set_threads applies one."""
 
-    def __init__(self, candidates: list[int], set_threads: Callable[[int], None], *, probe_steps: int = 4,
-                 first_gap: int = 32, max_gap: int = 1024, switch_margin: float = 1.05, warmup_steps: int = 2) -> None:
+    def __init__(self, candidates: list[int], set_threads: Callable[[int], None], *, probe_pairs: int = 4,
+                 first_gap: int = 8, max_gap: int = 1024, switch_margin: float = 1.05, warmup_steps: int = 2) -> None:
         self.candidates = sorted(set(candidates), reverse=True)  # most threads first: today's default
         self.set_threads = set_threads
-        self.probe_steps = probe_steps
+        self.probe_pairs = probe_pairs
         self.first_gap = first_gap
         self.max_gap = max_gap
         self.switch_margin = switch_margin
@@ -54,9 +60,10 @@ class ThreadTuner:
         self._since_probe = 0
         self._probe: list[int] = []  # candidates still to probe in this round
         self._probing: int | None = None
-        self._probe_steps: list[tuple[float, float]] = []
-        self._windows: dict[int, list[tuple[float, float]]] = {}  # this round's probe steps per candidate
-        self._recent: deque[tuple[float, float]] = deque(maxlen=4 * probe_steps)  # the best count's own steps
+        self._on_candidate = False  # this probe step runs on the candidate (else on the best count)
+        self._best_cost: float | None = None  # the pair's first half: the best count's seconds per work
+        self._ratios: list[float] = []  # the candidate's pairs: its seconds per work over the best's
+        self._medians: dict[int, float] = {}  # this round's median ratio per candidate
         self.current = self.best
         self.switches = 0
         self.history: list[tuple[int, int]] = []  # (step, threads) at each change of the chosen count
@@ -74,17 +81,18 @@ class ThreadTuner:
 
     def before_step(self) -> None:
         """Pick this step's thread count."""
-        if not self.active or self._probing is not None:
+        if not self.active:
             return
-        if self._since_probe >= self.gap and len(self._recent) >= self.probe_steps:
+        if self._probing is None and self._since_probe >= self.gap:
             self._probe = [c for c in self.candidates if c != self.best]
-            self._windows = {}
+            self._medians = {}
             self._start_next_probe()
+        if self._probing is not None:
+            self._use(self._probing if self._on_candidate else self.best)
 
     def _start_next_probe(self) -> None:
         self._probing = self._probe.pop(0)
-        self._probe_steps = []
-        self._use(self._probing)
+        self._on_candidate, self._best_cost, self._ratios = False, None, []
 
     def after_step(self, seconds: float, work: float) -> None:
         """The step just run took `seconds` for `work` (cost-model seconds at nominal peaks)."""
@@ -93,39 +101,35 @@ class ThreadTuner:
             self._warmup -= 1
             return
         if self._probing is None:
-            self._recent.append((seconds, work))
             self._since_probe += 1
             return
-        self._probe_steps.append((seconds, work))
-        if len(self._probe_steps) < self.probe_steps:
+        cost = seconds / work
+        if not self._on_candidate:
+            self._best_cost, self._on_candidate = cost, True
             return
-        self._windows[self._probing] = self._probe_steps
+        self._ratios.append(cost / self._best_cost)
+        self._on_candidate = False
+        clearly_slower = len(self._ratios) >= 2 and min(self._ratios) > CLEAR_LOSS
+        if len(self._ratios) < self.probe_pairs and not clearly_slower:  # a clear loser is not run longer
+            return
+        self._medians[self._probing] = median(self._ratios)
         if self._probe:
             self._start_next_probe()
             return
         self._finish_round()
 
     def _finish_round(self) -> None:
-        baseline = _rate(list(self._recent)[-self.probe_steps * 2:])
-        winner, rate = max(((c, _rate(w)) for c, w in self._windows.items()), key=lambda kv: kv[1])
+        winner, ratio = min(self._medians.items(), key=lambda kv: kv[1])
         self._probing = None
         self._since_probe = 0
-        if rate > baseline * self.switch_margin:
+        if ratio * self.switch_margin < 1.0:
             self.best = winner
-            self.gap = self.first_gap
+            self.gap = self.first_gap * AFTER_SWITCH  # the count it left just lost: not asked again at once
             self.switches += 1
             self.history.append((self._step, winner))
-            self._recent.clear()
-            self._recent.extend(self._windows[winner])  # the new best's own steps seed its baseline
         else:
             self.gap = min(self.gap * 2, self.max_gap)
         self._use(self.best)
-
-
-def _rate(steps: list[tuple[float, float]]) -> float:
-    """Work done per second over a window of (seconds, work) steps."""
-    seconds = sum(s for s, _ in steps)
-    return sum(w for _, w in steps) / seconds if seconds > 0 else 0.0
 
 
 def thread_candidates(cores: int) -> list[int]:
