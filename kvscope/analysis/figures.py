@@ -7,12 +7,14 @@ summary: output tokens over (last finish - first arrival), nearest-rank percenti
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import msgspec
-import numpy as np
 
 from kvscope.quantiles import nearest_rank
+
+if TYPE_CHECKING:  # imported where it is used, so importing this module stays cheap
+    import numpy as np
 
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
@@ -21,6 +23,8 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     if n == 0:
         return None
     rank = nearest_rank(q / 100, n)
+    import numpy as np
+
     arr = np.asarray(values, dtype=float)
     return float(np.partition(arr, rank - 1)[rank - 1])
 

@@ -9,12 +9,14 @@ with ``window=N`` it keeps only the last N steps (the live panel's sliding windo
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 
 from kvscope.analysis.figures import percentile
+
+if TYPE_CHECKING:  # numpy is imported where it is used: a dashboard's StepLog starts without it
+    import numpy as np
 
 from kvscope.protocol.events import (
     BLOCKED_BUDGET,
@@ -152,6 +154,7 @@ class StepLog:
                     del reqs[k]
 
     def columns(self) -> dict[str, np.ndarray]:
+        import numpy as np
         if not self.rows:
             return {c: np.zeros(0) for c in COLUMNS}
         arr = np.array(self.rows, dtype=float)
@@ -213,6 +216,7 @@ def _pct(a: np.ndarray, q: float) -> float | None:
 def _fixed_share(tokens: np.ndarray, dur: np.ndarray, budget: float) -> float | None:
     """Share of a full step's time that does not grow with its tokens, from a line fitted to the
     upper half of the step sizes (near the budget, where another token's cost is what matters)."""
+    import numpy as np
     for lo in (budget / 2, 0.0):
         m = tokens >= lo
         t, d = tokens[m], dur[m]
@@ -227,6 +231,7 @@ def _fixed_share(tokens: np.ndarray, dur: np.ndarray, budget: float) -> float | 
 
 def _overtaken(reqs: list[_Req]) -> tuple[np.ndarray, np.ndarray]:
     """Per scheduled request (arrival order): was it passed by a later arrival, and its queue time."""
+    import numpy as np
     sched = sorted((r for r in reqs if r.first_sched is not None), key=lambda r: r.arrival)
     if not sched:
         return np.zeros(0, dtype=bool), np.zeros(0)
@@ -239,6 +244,7 @@ def _overtaken(reqs: list[_Req]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def measure(log: StepLog) -> Signals:
+    import numpy as np
     c = log.columns()
     n = len(c["step"])
     entries = c["entries"]

@@ -7,6 +7,7 @@ or damaged after its header still opens: the stream ends at the last good chunk 
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import zlib
@@ -362,6 +363,28 @@ class TraceReader:
     @property
     def chunks(self) -> list[ChunkInfo]:
         return list(self._chunks)
+
+    def fork(self) -> "TraceReader":
+        """A second reader of the same trace for another thread: its own chunk list, cache and
+        warnings, and a file handle per pass as always; the header and index are not read again."""
+        other = copy.copy(self)
+        other._chunks = list(self._chunks)
+        other.warnings = list(self.warnings)
+        other._unknown_at = dict(self._unknown_at)
+        other._cache = None
+        return other
+
+    def indexed_span(self) -> tuple[int, int, float, float] | None:
+        """(first step, last step, first step's start, last step's end) from the trace's index,
+        without reading a chunk; None when the index is missing or its stats do not hold up."""
+        if not self.complete or self._stats is None:
+            return None
+        counts, problem = _check_stats(self._stats, self._chunks)
+        if problem is not None or counts is None or counts["first_step"] is None:
+            return None
+        if counts["t_first"] is None or counts["t_last"] is None:
+            return None
+        return counts["first_step"], counts["last_step"], counts["t_first"], counts["t_last"]
 
     def __iter__(self) -> Iterator:
         yield self.hello

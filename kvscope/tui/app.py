@@ -158,7 +158,7 @@ class KvscopeApp(App):
 
     def redraw(self, force: bool = False) -> None:
         pst = self.player.status() if self.player is not None else None
-        rkey = (pst.playing, pst.done, pst.speed, pst.step, round(pst.t, 2)) if pst is not None else None
+        rkey = (pst.playing, pst.done, pst.speed, pst.step, round(pst.t, 2), pst.indexing) if pst is not None else None
         screens = tuple((id(s), s.draw_key() if isinstance(s, FeedView) else None) for s in self.screen_stack)
         key = (tuple(f.version for f in self.feeds), rkey, self.pal.name, screens)
         if not force and key == self._drawn_key:

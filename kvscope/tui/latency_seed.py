@@ -9,6 +9,8 @@ restarts from, and the steps after it add theirs as in play.
 
 from __future__ import annotations
 
+import threading
+
 from kvscope.protocol.events import SnapshotEvent, StepEvent
 from kvscope.traces.summary import LatencyTally
 
@@ -27,7 +29,10 @@ class LatencySeed:
 
 
 class LatencyCheckpoints:
-    """Packed TTFT/ITL sketches at a trace's snapshots; memory bounded by MAX_CHECKPOINTS."""
+    """Packed TTFT/ITL sketches at a trace's snapshots; memory bounded by MAX_CHECKPOINTS.
+
+    One thread observes (the step index's, perhaps in the background), another seeds: the
+    checkpoints are shared under a lock."""
 
     def __init__(self) -> None:
         self._tally = LatencyTally()
@@ -35,6 +40,7 @@ class LatencyCheckpoints:
         self._points: dict[int, tuple[tuple, tuple]] = {}  # snapshot step -> packed (ttft, itl)
         self._every = 1
         self._snapshots = 0
+        self._lock = threading.Lock()
 
     def observe(self, ev) -> None:
         """Call with every event of the trace, in order, once."""
@@ -45,10 +51,12 @@ class LatencyCheckpoints:
         elif t is SnapshotEvent and ev.step not in self._points:
             self._snapshots += 1
             if self._snapshots % self._every == 0:
-                self._points[ev.step] = (self._tally.ttft.packed(), self._tally.itl.packed())
-                if len(self._points) > MAX_CHECKPOINTS:
-                    self._points = dict(list(self._points.items())[1::2])
-                    self._every *= 2
+                point = (self._tally.ttft.packed(), self._tally.itl.packed())
+                with self._lock:
+                    self._points[ev.step] = point
+                    if len(self._points) > MAX_CHECKPOINTS:
+                        self._points = dict(list(self._points.items())[1::2])
+                        self._every *= 2
 
     def seed(self, trace, events: list) -> LatencySeed:
         """The seed for a restart from ``events`` (``trace.seek``'s answer): steps up to its snapshot."""
@@ -56,10 +64,12 @@ class LatencyCheckpoints:
         snap = next((ev for ev in events if type(ev) is SnapshotEvent), None)
         if snap is None:
             return LatencySeed(tally)  # restarts from the beginning: nothing before it
-        below = [s for s in self._points if s <= snap.step]
-        base = max(below) if below else None
-        if base is not None:
-            ttft, itl = self._points[base]
+        with self._lock:
+            below = [s for s in self._points if s <= snap.step]
+            base = max(below) if below else None
+            packed = self._points[base] if base is not None else None
+        if packed is not None:
+            ttft, itl = packed
             tally.ttft.unpack(ttft)
             tally.itl.unpack(itl)
         if base != snap.step:

@@ -32,9 +32,11 @@ def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = 
 
 
 def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,
-                    start_step: int | None = None, clock=None, auto_tick: bool = True):
+                    start_step: int | None = None, clock=None, auto_tick: bool = True,
+                    index_in_background: bool = True):
     """The app replaying a trace file (also used by the screenshots script): a ReplayFeed and its player,
-    or, for a recorded vLLM, the vLLM view on the same player."""
+    or, for a recorded vLLM, the vLLM view on the same player. The steps are indexed in the background
+    once the first frame is drawn (tui/step_index.py), so opening a trace costs its start only."""
     import os
     import time
 
@@ -50,7 +52,7 @@ def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, 
         return make_vllm_replay_app(path, palette=palette, speed=speed, playing=playing, start_step=start_step,
                                     auto_tick=auto_tick)
     clock = clock or time.monotonic
-    cursor = ReplayController(trace, playing=False, clock=clock)
+    cursor = ReplayController(trace, playing=False, clock=clock, index_in_background=index_in_background)
     player = Player([cursor], speed=speed, playing=playing, clock=clock)
     if start_step is not None:
         player.seek(start_step)
@@ -74,3 +76,8 @@ def run_replay(path: str, palette: str = "default", *, speed: float = 1.0, start
         for w in feed.source.trace.warnings or ():
             print(f"kvscope replay: warning: {w}", file=sys.stderr)
     app.run()
+    for feed in app.feeds:  # damage the background index found past what was played
+        index = getattr(feed.source, "index", None)
+        for w in (index.warnings if index is not None else ()):
+            if w not in (feed.source.trace.warnings or ()):
+                print(f"kvscope replay: warning: {w}", file=sys.stderr)

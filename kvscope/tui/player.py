@@ -13,6 +13,11 @@ live did), so no run can drift from the others. A cursor is anything with the
 ``Cursor`` face: a kvscope trace (``sources.ReplayController``) or a recorded vLLM
 (``adapters.vllm_replay.VllmTraceSource``, whose steps are its recorder's ticks).
 
+A cursor whose step index is still being built (``kvscope replay`` builds it in the
+background, tui/step_index.py) says so with ``indexed`` False: its track shares the
+growing lists, the run is not over until the index is whole, and whatever needs a step
+beyond the indexed ones (the end, a fraction of the run, a later preemption) waits for it.
+
 Keys mean the same everywhere (screens/keys.py): ←/→ one step of the focused run,
 shift+←/→ a tenth of the run, shift+Home/shift+End its ends.
 """
@@ -20,6 +25,7 @@ shift+←/→ a tenth of the run, shift+Home/shift+End its ends.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -45,6 +51,9 @@ class Cursor(Protocol):
     def finish(self) -> None:
         """Hand out what follows the last step (the engine's goodbye)."""
 
+    # optional: ``indexed`` (bool, True if absent), ``wait_indexed()``, and ``end_hint``
+    # ((last step, its end time) from the trace's own index, or None)
+
 
 @dataclass(frozen=True, slots=True)
 class PlayerStatus:
@@ -60,6 +69,7 @@ class PlayerStatus:
     start_t: float  # where the axis starts
     end_t: float
     align: str = ALIGN_TIME
+    indexing: bool = False  # a run's steps are still being indexed (end_t, last_step: the trace's word)
 
 
 @dataclass
@@ -81,18 +91,27 @@ class Track:
         i = bisect.bisect_right(self.keys, pos + 1e-12) - 1
         return self.steps[i] if i >= 0 else None
 
+    def index_of(self, step: int) -> int:
+        """Index of the last step at or before ``step`` (0 before the first); keys may trail steps."""
+        return max(0, bisect.bisect_right(self.steps, step, 0, len(self.keys)) - 1)
+
 
 def make_track(cursor: Cursor, align: str = ALIGN_TIME, first_arrival: float | None = None,
                *, own_clock: bool = False) -> Track:
-    """A cursor's track. ``own_clock``: position 0 is trace time 0 (a single replay)."""
+    """A cursor's track. ``own_clock``: position 0 is trace time 0 (a single replay); its track
+    shares the cursor's lists, so it grows with an index built in the background."""
+    if own_clock:
+        steps, pre = cursor.steps, cursor.preempt_steps
+        if align == ALIGN_STEP:
+            first = getattr(cursor, "first_step", None)
+            start = float(steps[0]) if steps else float(first or 0)
+            return Track(0.0, steps, steps, pre, start)  # position = step number
+        return Track(0.0, cursor.step_t, steps, pre, cursor.start_t)
     steps = list(cursor.steps)
     pre = list(cursor.preempt_steps)
     if align == ALIGN_STEP:
-        origin = 0.0 if own_clock else (float(steps[0]) if steps else 0.0)
-        keys = [s - origin for s in steps]
-        return Track(origin, keys, steps, pre, keys[0] if own_clock and keys else 0.0)
-    if own_clock:
-        return Track(0.0, list(cursor.step_t), steps, pre, cursor.start_t)
+        origin = float(steps[0]) if steps else 0.0
+        return Track(origin, [s - origin for s in steps], steps, pre)
     origin = first_arrival if first_arrival is not None else cursor.start_t
     if steps and origin > cursor.step_t[0]:
         origin = cursor.start_t
@@ -116,13 +135,33 @@ class Player:
         self.speed = _clamp(speed)
         self.playing = playing
         self.focus = 0
+        growing = [t for c, t in zip(self.cursors, self.tracks) if t is not None and not _indexed(c)]
         live = [t for t in self.tracks if t is not None and t.keys]
-        self.end = max((t.end for t in live), default=0.0)
-        self.start = min((t.start for t in live), default=0.0)
+        self.start = min((t.start for t in live + growing), default=0.0)
         self._pos = self.start
         self._anchor = clock()
         self._shown: list[int | None] = [None] * len(self.cursors)
         self._finished: list[bool] = [False] * len(self.cursors)
+
+    # -- the step index -----------------------------------------------------------------
+    @property
+    def end(self) -> float:
+        """Where the axis ends: the last indexed step of the longest run (it grows while indexing)."""
+        return max((t.end for t in self.tracks if t is not None and t.keys), default=0.0)
+
+    @property
+    def indexing(self) -> bool:
+        """Some run's steps are still being indexed: the run is not over, its end not yet known."""
+        return any(not _indexed(c) for c in self.cursors if c is not None)
+
+    def _limit(self) -> float:
+        return math.inf if self.indexing else self.end
+
+    def _need_index(self) -> None:
+        """Wait until every run is indexed (what needs the end: shift+End, a tenth of the run, ...)."""
+        for c in self.cursors:
+            if c is not None and not _indexed(c):
+                c.wait_indexed()
 
     # -- the clock ------------------------------------------------------------------
     def _rate(self) -> float:
@@ -130,16 +169,16 @@ class Player:
 
     def position(self) -> float:
         if self.playing:
-            return min(self._pos + (self._now() - self._anchor) * self._rate(), self.end)
-        return self._pos
+            return min(self._pos + (self._now() - self._anchor) * self._rate(), self._limit())
+        return min(self._pos, self._limit())
 
     def _jump(self, pos: float) -> None:
-        self._pos = max(self.start, min(pos, self.end))
+        self._pos = max(self.start, min(pos, self._limit()))
         self._anchor = self._now()
 
     @property
     def done(self) -> bool:
-        return self.position() >= self.end
+        return not self.indexing and self.position() >= self.end
 
     def play(self) -> None:
         if not self.playing:
@@ -180,6 +219,8 @@ class Player:
         """Pause, and move to the focused run's next step."""
         self.pause()
         tr = self._focused()
+        if tr is not None and self.indexing and bisect.bisect_right(tr.keys, self._pos + 1e-12) >= len(tr.keys):
+            self._need_index()  # the next step is not indexed yet
         if tr is None or not tr.keys:
             return
         i = bisect.bisect_right(tr.keys, self._pos + 1e-12)
@@ -196,24 +237,29 @@ class Player:
 
     def jump(self, fraction: float) -> None:
         """Move by a fraction of the run (shift+←/→), keeping play or pause."""
+        self._need_index()
         self._jump(self.position() + fraction * (self.end - self.start))
 
     def to_start(self) -> None:
         self._jump(self.start)
 
     def to_end(self) -> None:
+        self._need_index()
         self._jump(self.end)
 
     def seek(self, step: int) -> None:
         """Go to the focused run's step ``step``; every other run follows to the same moment."""
         tr = self._focused()
-        if tr is None or not tr.steps:
+        if tr is not None and self.indexing and (not tr.keys or step > tr.steps[len(tr.keys) - 1]):
+            self._need_index()
+        if tr is None or not tr.keys:
             return
-        i = max(0, bisect.bisect_right(tr.steps, step) - 1)
-        self._jump(tr.keys[i])
+        self._jump(tr.keys[tr.index_of(step)])
 
     def seek_time(self, t: float) -> None:
         """Go to ``t`` on the axis (trace seconds, since the first arrival in a compare, or a step offset)."""
+        if self.indexing and t > self.end:
+            self._need_index()
         self._jump(t)
 
     def next_preemption(self) -> int | None:
@@ -224,6 +270,8 @@ class Player:
         shown = self._shown[self.focus] if 0 <= self.focus < len(self._shown) else None
         cur = shown if shown is not None else (tr.steps[0] - 1 if tr.steps else 0)
         i = bisect.bisect_right(tr.preempt_steps, cur)
+        if i >= len(tr.preempt_steps) and self.indexing:
+            self._need_index()  # none among the steps indexed so far: the rest may hold one
         if i >= len(tr.preempt_steps):
             return None
         self.pause()
@@ -234,8 +282,10 @@ class Player:
     def sync(self) -> None:
         """Move every cursor to the current position (their events then wait in each feed)."""
         pos = self.position()
-        if self.playing and pos >= self.end:
-            self._jump(self.end)
+        indexing = self.indexing
+        end = self.end
+        if self.playing and not indexing and pos >= end:
+            self._jump(end)
             self.playing = False
         for k, (cur, tr) in enumerate(zip(self.cursors, self.tracks)):
             if cur is None or tr is None:
@@ -247,7 +297,8 @@ class Player:
                 cur.seek(step)
                 self._shown[k] = step
                 self._finished[k] = False
-            if tr.keys and step == tr.steps[-1] and pos >= self.end and not self._finished[k]:
+            if (tr.keys and not indexing and step == tr.steps[-1] and pos >= end
+                    and not self._finished[k]):
                 cur.finish()  # the whole run has played: what followed its last step too
                 self._finished[k] = True
 
@@ -258,11 +309,27 @@ class Player:
         tr = self._focused()
         step = self._shown[self.focus] if 0 <= self.focus < len(self._shown) else None
         pos = self.position()
+        indexing = self.indexing
+        end = self.end
+        done = not indexing and pos >= end
+        first = tr.steps[0] if tr and tr.steps else 0
+        last = tr.steps[len(tr.keys) - 1] if tr and tr.keys else 0
+        if indexing and tr is not None:
+            cur = self.cursors[self.focus] if 0 <= self.focus < len(self.cursors) else None
+            first = tr.steps[0] if tr.steps else getattr(cur, "first_step", 0)
+            hint = getattr(cur, "end_hint", None)
+            if hint is not None:  # the trace's own word on its end, until the index gets there
+                last = max(last, hint[0])
+                end = max(end, (hint[1] if self.align == ALIGN_TIME else float(hint[0])) - tr.origin)
+            end = max(end, pos)
         return PlayerStatus(
-            playing=self.playing and pos < self.end, done=pos >= self.end, speed=self.speed,
-            step=step if step is not None else 0,
-            first_step=tr.steps[0] if tr and tr.steps else 0, last_step=tr.steps[-1] if tr and tr.steps else 0,
-            t=pos, start_t=self.start, end_t=self.end, align=self.align)
+            playing=self.playing and not done, done=done, speed=self.speed,
+            step=step if step is not None else 0, first_step=first, last_step=last,
+            t=pos, start_t=self.start, end_t=end, align=self.align, indexing=indexing)
+
+
+def _indexed(cursor) -> bool:
+    return cursor is None or getattr(cursor, "indexed", True)
 
 
 def _clamp(speed: float) -> float:

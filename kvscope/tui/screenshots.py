@@ -60,7 +60,7 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
                  with_text: bool = False) -> None:
     from kvscope.tui.launch import make_replay_app
 
-    app = make_replay_app(path, playing=False, clock=lambda: 0.0, auto_tick=False)
+    app = make_replay_app(path, playing=False, clock=lambda: 0.0, auto_tick=False, index_in_background=False)
     player = app.player
     feed = app.feeds[0]
     cursor = feed.cursor

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
 from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
-from kvscope.tui.latency_seed import LatencyCheckpoints
+from kvscope.tui.step_index import StepIndex
 from kvscope.tui.player import SPEEDS
 
 
@@ -315,7 +315,11 @@ class ReplayController:
     FORWARD_LIMIT = 20_000  # seek ahead by applying events when fewer steps than this
 
     def __init__(self, trace, *, speed: float = 1.0, playing: bool = True,
-                 clock: Callable[[], float] = time.monotonic, max_per_poll: int = 5000) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_per_poll: int = 5000,
+                 index_in_background: bool = False) -> None:
+        """``index_in_background``: index the steps on a thread started at the second ``poll``
+        (once the first frame is drawn), so opening costs the trace's start only; what needs a
+        step not yet indexed waits for it. Otherwise the whole trace is indexed here."""
         from kvscope.traces.replay import ReplayClock, event_time
 
         self.trace = trace
@@ -324,27 +328,16 @@ class ReplayController:
         self._event_time = event_time
         self.max_per_poll = max_per_poll
         self.connection = CONN_REPLAY
-        # One pass to index steps: (step, end time, had a preemption).
-        self.steps: list[int] = []
-        self.step_t: list[float] = []
-        self.preempt_steps: list[int] = []
-        self.start_t = 0.0
-        first_t = None
-        self._latency = LatencyCheckpoints()
-        for ev in trace:
-            self._latency.observe(ev)
-            if type(ev) is StepEvent:
-                self.steps.append(ev.step)
-                self.step_t.append(ev.t + ev.dur)
-                if ev.preemptions or ev.swaps:  # swaps in count too: 'p' finds them
-                    self.preempt_steps.append(ev.step)
-                if first_t is None:
-                    first_t = ev.t
-        self.start_t = first_t or 0.0
-        self.end_t = self.step_t[-1] if self.step_t else 0.0
-        self.first_step = self.steps[0] if self.steps else 0
-        self.last_step = self.steps[-1] if self.steps else 0
-        self.cur_step = self.first_step - 1 if self.steps else 0
+        # The step index: (step, end time, had a preemption) per step; these lists grow with it.
+        self.index = StepIndex(trace)
+        self.steps: list[int] = self.index.steps
+        self.step_t: list[float] = self.index.step_t
+        self.preempt_steps: list[int] = self.index.preempt_steps
+        self._latency = self.index.latency
+        self._polls = 0
+        self._index_later = index_in_background
+        if not index_in_background:
+            self.index.build()
         # The events before the first step (hello, opening snapshot, first arrivals)
         # are shown at once; the clock starts at the first step.
         it = iter(trace)
@@ -355,9 +348,38 @@ class ReplayController:
                 first = ev
                 break
             head.append(ev)
+        self.start_t = first.t if first is not None else 0.0
+        self.first_step = first.step if first is not None else 0
+        self.cur_step = self.first_step - 1 if first is not None else 0
+        span = getattr(trace, "indexed_span", None)
+        span = span() if span is not None else None
+        # what the trace's own index says its last step and end are, before the steps are indexed
+        self.end_hint: tuple[int, float] | None = (span[1], span[3]) if span is not None else None
         self.pending: list = head
         rest = itertools.chain([first], it) if first is not None else it
         self.clock = ReplayClock(rest, now=clock(), speed=speed, playing=playing)
+
+    # -- the step index ---------------------------------------------------------------
+    @property
+    def indexed(self) -> bool:
+        """Whether every step is indexed (``steps``, ``step_t`` and ``preempt_steps`` are whole)."""
+        return self.index.complete
+
+    def wait_indexed(self) -> None:
+        self.index.wait()
+
+    def _need_step(self, step: int) -> None:
+        """Wait for the index to reach ``step`` (or the end): seeks land on indexed steps only."""
+        if not self.index.complete and (not self.step_t or step > self.steps[len(self.step_t) - 1]):
+            self.index.wait()
+
+    @property
+    def end_t(self) -> float:
+        return self.step_t[-1] if self.step_t else 0.0
+
+    @property
+    def last_step(self) -> int:
+        return self.steps[-1] if self.steps else 0
 
     # -- status ---------------------------------------------------------------------
     @property
@@ -397,6 +419,9 @@ class ReplayController:
         return events
 
     def poll(self) -> list:
+        self._polls += 1
+        if self._index_later and self._polls == 2:
+            self.index.start()  # after the first frame: it shares the GIL with the app
         out = self.pending
         self.pending = []
         now = self._now()
@@ -465,9 +490,11 @@ class ReplayController:
 
     def seek(self, step: int) -> int:
         """Go to just after step ``step`` (clamped to the trace); returns the step."""
-        if not self.steps:
+        self._need_step(step)
+        n = len(self.step_t)  # steps indexed with their times (a background index may be mid-batch)
+        if not n:
             return self.cur_step
-        i = bisect.bisect_right(self.steps, step) - 1
+        i = bisect.bisect_right(self.steps, step, 0, n) - 1
         step = self.steps[max(0, i)]
         now = self._now()
         playing = self.clock.playing
@@ -482,7 +509,7 @@ class ReplayController:
             events.insert(1, seed)
             self.pending = events
             self.cur_step = step
-            t = self.step_t[self.steps.index(step)]
+            t = self.step_t[self.steps.index(step, 0, n)]
             self.clock.load(_events_after_step(self.trace, step), now, start=t)
         if not playing:
             self.clock.pause(now)
@@ -490,13 +517,17 @@ class ReplayController:
 
     def seek_time(self, t: float) -> int:
         """Go to the last step that ended at or before trace time ``t``."""
-        if not self.steps:
+        if not self.indexed and (not self.step_t or t > self.step_t[-1]):
+            self.index.wait()
+        if not self.step_t:
             return self.cur_step
         i = bisect.bisect_right(self.step_t, t) - 1
         return self.seek(self.steps[max(0, i)])
 
     def next_preemption(self) -> int | None:
         i = bisect.bisect_right(self.preempt_steps, self.cur_step)
+        if i >= len(self.preempt_steps) and not self.indexed:
+            self.index.wait()  # none among the steps indexed so far: the rest may hold one
         if i >= len(self.preempt_steps):
             return None
         self.pause()
@@ -514,7 +545,7 @@ class ReplayController:
         return self._now()
 
     def close(self) -> None:
-        pass
+        self.index.close()
 
 
 def open_trace(path: str):

@@ -37,6 +37,8 @@ class ReplayBar(StateWidget):
         t.append(f"x{info.speed:g} ", style="bold")
         t.append(f"step {info.step}/{info.last_step} ")
         t.append(f"t {fmt.dur(info.t)}/{fmt.dur(info.end_t)} ", style=pal.dim)
+        if info.indexing:  # the end is the trace's own word until the step index gets there
+            t.append("indexing… ", style=pal.dim)
         room = width - len(t) - 2
         if room >= 6:
             span = max(1e-9, info.end_t - info.start_t)
