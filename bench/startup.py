@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(ALL_ROWS), help=f"comma-separated, of {', '.join(ALL_ROWS)}")
     ap.add_argument("--trace", default=SMALL_TRACE, help="the replay row's trace")
     ap.add_argument("--big-trace", default=BIG_TRACE, help="the replay-big row's trace (written when missing)")
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds a run may take (default 30)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take (default 60)")
     ap.add_argument("--real-timeout", type=float, default=300.0,
                     help="demo-real: seconds to wait for the first step (default 300)")
     ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")

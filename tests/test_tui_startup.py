@@ -108,3 +108,34 @@ def test_background_index_equals_the_one_built_up_front(big, tmp_path):
             assert later.end_hint is None, "a trace with no index gives no end before the steps are indexed"
             assert later.steps[-1] < events_last_step(big[1])
     assert os.path.getsize(cut) < os.path.getsize(path)
+
+
+def test_first_frames_import_neither_torch_nor_numpy():
+    """What `kvscope replay` and the dashboard of `kvscope demo` load before their first frame."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trace = os.path.join(root, "traces", "demo-cpu.kvtrace")
+    code = (
+        "import asyncio, sys\n"
+        "from textual.app import App\n"
+        "def headless(self, *a, **k):  # the real app, mounted once headless until its first frame\n"
+        "    async def go():\n"
+        "        async with self.run_test() as pilot:\n"
+        "            await pilot.pause()\n"
+        "            assert self.repaints >= 1\n"
+        "    asyncio.run(go())\n"
+        "App.run = headless\n"
+        "from kvscope.cli import main\n"
+        f"assert main(['replay', {trace!r}]) == 0\n"
+        "from kvscope.tui.demo import run_demo\n"
+        "from kvscope.tui.feeds import LiveFeed\n"
+        "from kvscope.tui.sources import LiveSource\n"
+        "LiveFeed(LiveSource('tcp://127.0.0.1:1', None, start=False))  # the demo's feed, diagnosis log and all\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
