@@ -83,6 +83,7 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
                     from kvscope.tui.screens import RequestDetailScreen
 
                     await app.push_screen(RequestDetailScreen(feed, req))
+                    await pilot.pause()  # its footer too: a busy machine drew the shot before it
             else:
                 await pilot.press("down")
         app.pump()
