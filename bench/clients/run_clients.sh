@@ -13,7 +13,8 @@
 # model, then aiperf with --extra-inputs min_tokens:N and ignore_eos:true (one model load for all).
 # Environment: CLIENTS_VENV (or GUIDELLM / AIPERF, the two commands), KVSCOPE (default: kvscope),
 # PYTHON (a python with openai and transformers: kvscope's venv), TOKENIZER (an HF tokenizer folder;
-# made from the cached SmolLM2 GGUF when missing), OUT (default: bench/clients/out), PORT, N.
+# made from the cached SmolLM2 GGUF when missing), OUT (default: bench/clients/out), PORT, N, N_EXTRA.
+# A server already answering on PORT is used as it is (and left running), for the phase it fits.
 set -euo pipefail
 
 CLIENTS_VENV=${CLIENTS_VENV:-/work/clients-venv}
@@ -47,6 +48,9 @@ PY
 
 serve() {  # serve MODEL [ARGS...]: start the server, wait for /health
     local model=$1; shift
+    if curl -sf "$URL/health" >/dev/null; then  # one already listening (started by hand): used as is
+        log "using the server already on $URL"; return
+    fi
     "$KVSCOPE" serve --http "127.0.0.1:$PORT" --model "$model" --no-progress "$@" >"$OUT/serve-$model.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 600); do
@@ -82,7 +86,7 @@ guidellm() {  # guidellm NAME MODEL [BACKEND_EXTRA]: a synchronous run of N shor
     scrape "$name.metrics-after"
 }
 
-aiperf() {  # aiperf NAME MODEL [ARGS...]: N streamed chat requests, 2 at a time
+aiperf() {  # aiperf NAME MODEL [ARGS...]: N streamed chat requests of OSL (16) tokens, 2 at a time
     local name=$1 model=$2; shift 2
     log "aiperf $name"
     rm -rf "${OUT:?}/$name"
@@ -91,7 +95,7 @@ aiperf() {  # aiperf NAME MODEL [ARGS...]: N streamed chat requests, 2 at a time
     # fails; a path is never looked up on the hub anyway.
     "$AIPERF" profile --model "$model" --url "$URL" --endpoint-type chat --streaming \
         --tokenizer "$TOKENIZER" --request-count "$N" --concurrency 2 \
-        --isl 32 --isl-stddev 0 --osl 16 --osl-stddev 0 \
+        --isl 32 --isl-stddev 0 --osl "${OSL:-16}" --osl-stddev 0 \
         --ui none --workers-max 2 --artifact-dir "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1 \
         || echo "aiperf $name: exit $?" >&2
     scrape "$name.metrics-after"
@@ -143,12 +147,12 @@ for phase in $PHASES; do
     smollm2)
         serve smollm2-135m
         openai_client smollm2-openai
+        # a chat answer may end at EOS before 48 tokens, unless the server honours these
+        N=$N_EXTRA OSL=48 aiperf smollm2-extra-none smollm2-135m
+        N=$N_EXTRA OSL=48 aiperf smollm2-extra-min-tokens smollm2-135m --extra-inputs min_tokens:48
+        N=$N_EXTRA OSL=48 aiperf smollm2-extra-ignore-eos smollm2-135m --extra-inputs ignore_eos:true
         guidellm smollm2-guidellm smollm2-135m
         aiperf smollm2-aiperf smollm2-135m
-        # a short chat answer ends at EOS long before 48 tokens, unless the server honours these
-        N=$N_EXTRA aiperf smollm2-extra-none smollm2-135m --osl 48
-        N=$N_EXTRA aiperf smollm2-extra-min-tokens smollm2-135m --osl 48 --extra-inputs min_tokens:48
-        N=$N_EXTRA aiperf smollm2-extra-ignore-eos smollm2-135m --osl 48 --extra-inputs ignore_eos:true
         stop ;;
     *) echo "unknown phase $phase (tiny, key, smollm2)" >&2; exit 2 ;;
     esac

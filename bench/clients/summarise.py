@@ -93,7 +93,7 @@ def guidellm_errors(path: Path) -> str:
 def main(out: Path) -> None:
     print("| run | measured by | requests | errors | mean TTFT ms | mean ITL ms | mean e2e ms | output tokens | output tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for before in sorted(out.glob("*.metrics-before")):
+    for before in sorted(out.glob("*.metrics-before"), key=lambda p: p.stat().st_mtime):  # in the order run
         name = before.name.removesuffix(".metrics-before")
         if not (out / f"{name}.metrics-after").exists():
             continue  # still running
