@@ -119,6 +119,20 @@ PY
     cat "$OUT/$1.openai.txt" >&2
 }
 
+eos_check() {  # eos_check NAME: a chat answer that ends at EOS, then the same with min_tokens / ignore_eos
+    log "openai $1"
+    "$PYTHON" - "$URL/v1" >"$OUT/$1.openai.txt" 2>&1 <<'PY' || true
+import sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=600)
+for extra in ({}, {"min_tokens": 48}, {"ignore_eos": True}):
+    r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=48, temperature=0,
+                                       messages=[{"role": "user", "content": "Say hi"}], extra_body=extra)
+    print(extra or "plain", r.usage.completion_tokens, "tokens, finish_reason", r.choices[0].finish_reason)
+PY
+    cat "$OUT/$1.openai.txt" >&2
+}
+
 refused() {  # refused NAME: a plain request without the key gets OpenAI's 401
     curl -s -o "$OUT/$1.401.json" -w "%{http_code}\n" "$URL/v1/models" >"$OUT/$1.401.status"
     log "no key: HTTP $(cat "$OUT/$1.401.status") $(cat "$OUT/$1.401.json")"
@@ -147,7 +161,8 @@ for phase in $PHASES; do
     smollm2)
         serve smollm2-135m
         openai_client smollm2-openai
-        # a chat answer may end at EOS before 48 tokens, unless the server honours these
+        eos_check smollm2-eos  # "Say hi" ends at EOS before 48 tokens, unless min_tokens / ignore_eos say not
+        # aiperf's synthetic prompts run to 48 tokens anyway; these show it sends the fields and is answered
         N=$N_EXTRA OSL=48 aiperf smollm2-extra-none smollm2-135m
         N=$N_EXTRA OSL=48 aiperf smollm2-extra-min-tokens smollm2-135m --extra-inputs min_tokens:48
         N=$N_EXTRA OSL=48 aiperf smollm2-extra-ignore-eos smollm2-135m --extra-inputs ignore_eos:true
