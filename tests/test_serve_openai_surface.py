@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from _helpers import DEADLINE_S
 import torch
 
 from kvscope.engine.config import EngineConfig
@@ -377,7 +378,7 @@ def _cli_server(args: list[str], env: dict | None = None):
 
 def _stop(proc) -> None:
     proc.terminate()
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=DEADLINE_S)  # a loaded machine once outlasted 60 s
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
