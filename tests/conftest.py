@@ -9,9 +9,16 @@ without recomputing them.
 from __future__ import annotations
 
 import random
+import signal
 from collections import Counter
 
 import pytest
+
+# A suite started as a background job of a script (`sh -c 'make test &'`) inherits SIGINT ignored,
+# and an ignored signal stays ignored across exec: the servers the tests stop with Ctrl-C, as a
+# user does, would then never stop. A handler, unlike SIG_IGN, resets to the default on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A Llama that differs from the built-in tiny Qwen3 in every attention dimension:
 # 6 query heads over 2 KV heads (group of 3), head_dim 16, 3 layers, its own vocab.
