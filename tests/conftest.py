@@ -8,6 +8,7 @@ without recomputing them.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 from collections import Counter
@@ -219,3 +220,17 @@ def windowed_models(tmp_path_factory) -> dict:
         path = save_checkpoint(tmp_path_factory.mktemp(name), config_cls, model_cls, **overrides)
         out[name] = (path, HFReference(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()))
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real model's cached GGUF (tests/test_engine_gguf.py, tests/test_sim_smollm2.py)."""
+    from kvscope.engine import named_models
+
+    name = "smollm2-135m"
+    if named_models.is_cached(name):
+        return named_models.cached_path(name)
+    reason = f"{name} is not in the model cache: run `kvscope fetch {name}` (make test does)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)  # in CI the real model is part of the suite, never skipped
+    pytest.skip(reason)

@@ -27,23 +27,12 @@ import pytest  # noqa: E402
 
 from conftest import HFReference  # noqa: E402
 from kvscope.engine import LLM, SamplingParams  # noqa: E402
-from kvscope.engine import named_models  # noqa: E402
 
 MODEL = "smollm2-135m"
 MODES = ("naive", "static", "continuous", "chunked")
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write a haiku about the sea.", "How many legs does a spider have?"]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> str:
-    if named_models.is_cached(MODEL):
-        return named_models.cached_path(MODEL)
-    reason = f"{MODEL} is not in the model cache: run `kvscope fetch {MODEL}` (make test does)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)  # in CI the real model is part of the suite, never skipped
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ from kvscope.analysis.calibrate import fit_caution, resolve_names
 from kvscope.analysis.diagnose import diagnose_trace
 from kvscope.analysis.report import format_text
 from kvscope.cli import main
-from kvscope.engine import named_models
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.gguf import read_header
 from kvscope.engine.sim import catalog
@@ -26,16 +25,6 @@ NAME = "smollm2-135m"
 FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
           "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
           "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings"}
-
-
-@pytest.fixture(scope="module")
-def smollm2_path() -> str:
-    if named_models.is_cached(NAME):
-        return named_models.cached_path(NAME)
-    reason = f"{NAME} is not in the model cache: run `kvscope fetch {NAME}` (make test does)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)  # in CI the real model is part of the suite, never skipped
-    pytest.skip(reason)
 
 
 def write_llama_gguf(path, *, layers=30, tied=True) -> str:
