@@ -19,7 +19,7 @@ from kvscope.engine.llm_engine import LLMEngine
 def test_n_greedy_sequences_equal_the_single_greedy_one(models):
     model_arg, ref, vocab = models["tiny"]
     prompts = token_prompts([21, 40], vocab, seed=5)  # (21 - 1) % 16 and (40 - 1) % 16 are not 0: copies
-    llm = LLM(model_arg, device="cpu", mode="chunked", num_blocks=48, block_size=16)
+    llm = LLM(model_arg, device="cpu", dtype="float32", mode="chunked", num_blocks=48, block_size=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, n=4))
     single = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     for out, one, prompt in zip(outs, single, prompts):

@@ -97,7 +97,8 @@ def _colliding_prompts(vocab: int, block: int) -> tuple[list[int], list[int]]:
 
 
 def _generate(model_arg, prompts, **kw):
-    llm = LLM(model_arg, device="cpu", mode="chunked", num_blocks=32, block_size=16, prefix_caching=True, **kw)
+    llm = LLM(model_arg, device="cpu", dtype="float32", mode="chunked", num_blocks=32, block_size=16, prefix_caching=True,
+              **kw)
     outs = [llm.generate([p], SamplingParams(max_tokens=12, ignore_eos=True))[0] for p in prompts]
     return llm, [o.token_ids for o in outs]
 

@@ -8,7 +8,9 @@ from kvscope.engine import kv_sizing
 from kvscope.engine.errors import KvscopeError, RequestRejected
 
 GiB = 1 << 30
-TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4  # tiny: 4 layers x K,V x 16 tokens x 2 KV heads x dim 32 x fp32
+# tiny: 4 layers x K,V x 16 tokens x 2 KV heads x dim 32 x fp32. The engines here pin float32: --dtype auto
+# is bfloat16 on a CPU with amx_bf16 or avx512_bf16, which would halve the bytes.
+TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
 
 
 def test_default_is_a_share_of_available_memory_within_the_caps():
@@ -37,14 +39,14 @@ def test_engine_sizes_from_faked_memory_and_hello_carries_the_size(monkeypatch):
     from kvscope.engine import EngineConfig, LLMEngine
 
     monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 64 << 20)  # 64 MiB "available"
-    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_num_seqs=4))
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=4))
     assert engine.num_blocks == (32 << 20) // TINY_BLOCK_BYTES  # half of it
     hello = engine.hello().config
     assert hello.kv_cache_bytes == engine.num_blocks * TINY_BLOCK_BYTES == engine.kv_cache_bytes
     assert hello.cpu.kv_cache_space is None
     assert "50% of 0.1 GiB available" in engine.describe_kv_cache()
 
-    sized = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_space=0.01))
+    sized = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_space=0.01))
     assert sized.num_blocks == int(0.01 * GiB) // TINY_BLOCK_BYTES
     assert sized.hello().config.cpu.kv_cache_space == 0.01
 
@@ -52,7 +54,7 @@ def test_engine_sizes_from_faked_memory_and_hello_carries_the_size(monkeypatch):
 def test_a_request_that_can_never_fit_is_rejected_in_one_line():
     from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_space=3 * TINY_BLOCK_BYTES / GiB))
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_space=3 * TINY_BLOCK_BYTES / GiB))
     assert engine.num_blocks == 3
     with pytest.raises(RequestRejected) as e:
         engine.add_request(list(range(1, 100)), SamplingParams(max_tokens=4))
@@ -80,7 +82,7 @@ def test_the_chosen_size_survives_the_wire():
     from kvscope.engine import EngineConfig, LLMEngine
     from kvscope.protocol.codec import decode, encode
 
-    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_space=0.01))
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_space=0.01))
     back = decode(encode(engine.hello()))
     assert back.config.kv_cache_bytes == engine.kv_cache_bytes and back.config.cpu.kv_cache_space == 0.01
 
