@@ -1,8 +1,9 @@
 """`kvscope bench --roofline`: how close each row came to what this machine could do for its work.
 
 Once per run it measures the machine: GEMM FLOP/s at the model's own linear shapes (QKV, O,
-gate/up, down, at the step's token budget), in the engine's dtype and torch thread count, and
-memory bandwidth (a large copy, read + write counted). Each row's steps are then priced at
+gate/up, down, at the step's token budget), in the engine's dtype and torch thread count, the
+faster of torch's F.linear and the engine's oneDNN-packed linear (engine/cpu_linear.py) on a CPU,
+and memory bandwidth (a large copy, read + write counted). Each row's steps are then priced at
 those peaks, the ideal an engine could reach doing the same steps:
 
     roofline_s = sum over steps of max(FLOPs / peak, bytes / bandwidth)
@@ -70,6 +71,24 @@ def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
     return best
 
 
+def _packed_linear_runner(torch_dtype):
+    """w, x -> a call of the engine's oneDNN-packed linear (engine/cpu_linear.py), or None where it does not run."""
+    import torch
+
+    from kvscope.engine.cpu_linear import PackedLinear, packing_unavailable
+
+    if packing_unavailable(torch_dtype) is not None:
+        return None
+
+    def runner(w, x):
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch_dtype).requires_grad_(False)
+        lin.weight.copy_(w)
+        packed = PackedLinear(lin)
+        return lambda: packed(x)
+
+    return runner
+
+
 def measure_peaks(shape: ModelShape, torch_dtype, tokens: int, device: str = "cpu") -> MachinePeaks:
     """GEMM FLOP/s at the model's linear shapes with M=tokens, and copy bandwidth, on device (CPU: with
     torch's current thread count)."""
@@ -81,6 +100,7 @@ def measure_peaks(shape: ModelShape, torch_dtype, tokens: int, device: str = "cp
     repeats = GEMM_REPEATS if dev.type == "cpu" else 20  # a GPU GEMM is microseconds: more samples
 
     dtype = CATALOG_DTYPES[str(torch_dtype).removeprefix("torch.")]
+    packed_linear = _packed_linear_runner(torch_dtype) if dev.type == "cpu" else None
     gemms = []
     total_flops = total_s = 0.0
     with torch.inference_mode():
@@ -89,6 +109,8 @@ def measure_peaks(shape: ModelShape, torch_dtype, tokens: int, device: str = "cp
             x = torch.randn(tokens, k, generator=gen).to(device=dev, dtype=torch_dtype)
             w = torch.randn(n, k, generator=gen).to(device=dev, dtype=torch_dtype)
             s = _best_seconds(lambda: F.linear(x, w), repeats, sync)
+            if packed_linear is not None:  # the engine's own CPU path; the machine's best of the two is its peak
+                s = min(s, _best_seconds(packed_linear(w, x), repeats, sync))
             flops = 2.0 * tokens * k * n
             count = linear_shapes(shape).count((k, n))
             total_flops += flops * count

@@ -12,6 +12,7 @@ from kvscope.engine import kv_sizing
 from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
 from kvscope.engine.cpu_dtype import auto_cpu_dtype
+from kvscope.engine.cpu_linear import pack_linears
 from kvscope.engine.cpu_threads import StepTuner, ThreadTuner, cost_model_price, thread_candidates
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.model_runner import ModelRunner
@@ -74,6 +75,10 @@ class ModelBackend:
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.on_cuda = self.torch_device.type == "cuda"
         self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
+        if not self.on_cuda:  # oneDNN-packed weights: see cpu_linear.py for why and what it measured
+            packed = pack_linears(self.model.model)
+            self.model.weight_bytes += packed.extra_bytes
+            self.model.linear_note = packed.note
         self.cpu_threads: int | None = None
         self.thread_tuner: ThreadTuner | None = None  # without --cpu-threads on CPU: chosen online
         if not self.on_cuda:

@@ -35,11 +35,13 @@ class LoadedModel:
     attention: AttentionSpec = AttentionSpec(())  # per-layer sliding windows (none: full attention everywhere)
     source: str = ""  # where the weights came from, for the start-up line (e.g. "GGUF Q4_1, dequantized")
     weight_bytes: int = 0  # memory the weights take in the engine's dtype
+    linear_note: str = ""  # how the linear layers run on a CPU (cpu_linear.py), for start-up
 
     def describe(self, dtype: str) -> str:
         """The start-up line: which model, where from, the dtype its weights run in and their memory."""
         origin = f" ({self.source})" if self.source else ""
-        return f"model {self.name}{origin}: weights in {dtype}, {self.weight_bytes / 2**20:,.0f} MiB"
+        linear = f"; {self.linear_note}" if self.linear_note else ""
+        return f"model {self.name}{origin}: weights in {dtype}, {self.weight_bytes / 2**20:,.0f} MiB{linear}"
 
 
 def build_builtin(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):

@@ -90,10 +90,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         visible = key_pos < lens[:, None]
         if window is not None:
             visible &= key_pos > (lens[:, None] - 1) - window
-        q = query[rows].unsqueeze(2)  # [G, H, 1, D]
+        # Each KV head's query group is folded into the query length: [G, KVH, H // KVH, D]. A decode
+        # query sees every visible key, so the group's rows share one mask. On a CPU this is several
+        # times faster than enable_gqa's one query row per head in bf16 (about 5x at Qwen3-0.6B's
+        # shape: the flash kernel's per-row set-up dominates a single row) and equal in float32.
+        kvh, d = k.shape[1], query.shape[2]
+        g = query.shape[1] // kvh
+        q = query[rows].view(len(group), kvh, g, d)
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2)
+                                           scale=scale)
+        out[rows] = o.reshape(len(group), kvh * g, d)
 
     # Prefill chunks: one at a time, over the cached prefix (or its window) plus the causal chunk.
     for s in prefills:
