@@ -13,6 +13,7 @@ from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
 from kvscope.engine.cpu_dtype import auto_cpu_dtype
 from kvscope.engine.cpu_linear import pack_linears
+from kvscope.engine.cpu_malloc import keep_freed_memory
 from kvscope.engine.cpu_threads import StepTuner, ThreadTuner, cost_model_price, thread_candidates
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.model_runner import ModelRunner
@@ -75,7 +76,8 @@ class ModelBackend:
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.on_cuda = self.torch_device.type == "cuda"
         self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
-        if not self.on_cuda:  # oneDNN-packed weights: see cpu_linear.py for why and what it measured
+        if not self.on_cuda:  # oneDNN-packed weights and kept memory: see cpu_linear.py, cpu_malloc.py
+            self.malloc_note = keep_freed_memory()
             packed = pack_linears(self.model.model)
             self.model.weight_bytes += packed.extra_bytes
             self.model.linear_note = packed.note
