@@ -1,8 +1,8 @@
 """The CPU attention path (kvscope.kernels.reference) against attention written out per query.
 
-The engine's CPU path plans each step once (decode groups, their chunks, masks), folds each KV head's
-query group into the query length for decodes and gathers a few rows at a time; whatever the
-plan, every query must get softmax(q K^T * scale) V over exactly the keys it may see.
+The engine's CPU path plans each step once (decode groups, masks, blocks to gather) and folds each KV
+head's query group into the query length for decodes; whatever the plan, every query must get
+softmax(q K^T * scale) V over exactly the keys it may see.
 """
 
 from __future__ import annotations
@@ -44,13 +44,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["default chunks", "one row per chunk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_lens,seq_lens,heads,kv_heads,head_dim,block_size,window", CASES)
-def test_every_query_attends_to_exactly_its_visible_keys(monkeypatch, chunk_bytes, dtype, query_lens, seq_lens,
-                                                         heads, kv_heads, head_dim, block_size, window):
-    if chunk_bytes is not None:
-        monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", chunk_bytes)
+def test_every_query_attends_to_exactly_its_visible_keys(dtype, query_lens, seq_lens, heads, kv_heads, head_dim,
+                                                         block_size, window):
     query, k_cache, v_cache, meta = testing.make_case(query_lens, seq_lens, heads=heads, kv_heads=kv_heads,
                                                       head_dim=head_dim, block_size=block_size, dtype=dtype)
     scale = head_dim ** -0.5
@@ -61,7 +58,7 @@ def test_every_query_attends_to_exactly_its_visible_keys(monkeypatch, chunk_byte
 
 
 def test_a_step_is_planned_once_for_all_its_layers(monkeypatch):
-    """Layers share the step's metadata, so the plan (groups, chunks, masks) is built on the first call only."""
+    """Layers share the step's metadata, so the plan (groups, masks, blocks) is built on the first call only."""
     query, k_cache, v_cache, meta = testing.make_case([1, 6, 1], [30, 6, 20], heads=4, kv_heads=2, head_dim=16,
                                                       block_size=16, dtype=torch.float32)
     built = []

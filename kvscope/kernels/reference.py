@@ -16,11 +16,6 @@ from kvscope.kernels.metadata import AttentionMetadata
 # Cap on gathered K elements per decode group, so a batch mixing one long and many
 # short contexts is not padded to the longest all at once.
 _DECODE_GROUP_TOKENS = 1 << 18
-# A decode group is gathered and attended a few rows at a time, so the gathered K and V (a copy) are
-# still in the CPU's caches when attention reads them. Measured on a 2-core AMD EPYC, bf16, Qwen3-0.6B's
-# 8 KV heads of 128: 24 rows of 280 keys (27.5 MB of K and V) took 5.7 ms per layer in one call and
-# 3.0-3.5 ms in chunks of 2-8 rows; 64 rows of 300 keys 13.2 ms against 8.5-9.6 ms.
-_DECODE_CHUNK_BYTES = 4 << 20
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -66,10 +61,9 @@ def _block_ids(block_tables: torch.Tensor, span: int, bs: int, first_block: torc
     return ids.reshape(-1).long()
 
 
-def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device, token_bytes: int) -> _Plan:
+def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device) -> _Plan:
     """What every layer of this step does, worked out once (cached on the metadata, as the Triton path's is):
-    which decodes go together, which blocks each gathers, and the masks. Layers differ only in their K/V.
-    token_bytes: one token's K and V in one layer."""
+    which decodes go together, which blocks each gathers, and the masks. Layers differ only in their K/V."""
     plans = meta.__dict__.setdefault("_reference_plans", {})
     if window in plans:
         return plans[window]
@@ -97,9 +91,7 @@ def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device, token_
                and 2 * span[decodes[-1]] >= longest):
             group.append(decodes.pop())
         group.sort()
-        rows_per_chunk = max(1, _DECODE_CHUNK_BYTES // (longest * token_bytes))
-        for i in range(0, len(group), rows_per_chunk):
-            groups.append(_decode_group(meta, group[i : i + rows_per_chunk], longest, qsl, first_key, window, dev))
+        groups.append(_decode_group(meta, group, longest, qsl, first_key, window, dev))
 
     # Prefill chunks: one at a time, over the cached prefix (or its window) plus the causal chunk.
     chunks = []
@@ -157,8 +149,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Call after write_kv, so the new tokens' own K/V are in the cache.
     """
     out = torch.empty_like(query)
+    plan = _plan(meta, window, query.device)
     kvh, d = k_cache.shape[2], query.shape[2]
-    plan = _plan(meta, window, query.device, 2 * kvh * d * k_cache.element_size())
     g = query.shape[1] // kvh
     for grp in plan.decode_groups:
         rows = grp.visible.shape[0]
