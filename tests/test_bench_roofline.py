@@ -78,3 +78,26 @@ def test_a_model_run_measures_the_machine_once_and_prices_every_row(tmp_path, ca
     assert by["hf-generate-batch"]["roofline_pct"] is None  # its schedule is its own
     table = capsys.readouterr().out
     assert "roofline" in table.splitlines()[1] and "GFLOP/s" in table
+
+
+def test_the_machine_is_measured_on_every_thread_the_engine_may_use(monkeypatch):
+    """A thread tuner that ended a row on one thread must not halve the roofline's peak (the machine's limit)."""
+    import types
+
+    import torch
+
+    from kvscope.bench import modes
+    from kvscope.engine.models import build_builtin
+
+    seen = []
+    monkeypatch.setattr(roofline, "measure_peaks",
+                        lambda shape, dtype, tokens: seen.append(torch.get_num_threads()) or _peaks(1e12, 1e11))
+    engine = types.SimpleNamespace(loaded=types.SimpleNamespace(model=build_builtin("tiny")), dtype="float32",
+                                   backend=types.SimpleNamespace(cpu_threads=2, torch_dtype=torch.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # where the tuner left the row
+    try:
+        modes._measure_machine(engine, modes.EngineConfig(model="tiny"), lambda *a, **k: None)
+        assert seen == [2] and torch.get_num_threads() == 1, "measured on 2 threads, then the tuner's count back"
+    finally:
+        torch.set_num_threads(before)

@@ -106,10 +106,18 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
 
 
 def _measure_machine(engine, config: EngineConfig, log) -> roofline.Roofline:
-    """The roofline's peaks, measured once, with the engine's model shape, dtype and thread count."""
+    """The roofline's peaks, measured once, with the engine's model shape and dtype, on every thread the engine
+    may use (--cpu-threads, else every core): the machine's limit, not the count a thread tuner last chose."""
     shape = shape_of_hf_config(engine.loaded.model.config, CATALOG_DTYPES[engine.dtype], name=config.model)
     log("[bench] measuring GEMM FLOP/s and memory bandwidth for the roofline ...", file=sys.stderr)
-    peaks = roofline.measure_peaks(shape, engine.backend.torch_dtype, config.max_num_batched_tokens)
+    threads = getattr(engine.backend, "cpu_threads", None)  # None: CUDA, or the sim
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        peaks = roofline.measure_peaks(shape, engine.backend.torch_dtype, config.max_num_batched_tokens)
+    finally:
+        torch.set_num_threads(before)
     log(f"[bench] {peaks.line()}", file=sys.stderr)
     return roofline.Roofline.of(peaks, shape)
 
