@@ -170,3 +170,36 @@ def test_the_tuner_compares_like_for_like_steps_when_time_is_not_proportional_to
     # later probe of the clear loser (a run of a few hundred steps lost a quarter of its speed to
     # probes that started 32 steps in, restarted short after the switch and ran the loser 4 steps each)
     assert used.count(2) <= 22
+
+
+def test_rare_long_stalls_count_because_they_are_the_loss():
+    """A competitor costs a parallel step mostly when it deschedules one of its threads for a time slice:
+    most two-thread steps run at full speed and one in three takes ten times as long. Two threads are
+    then slower on the whole (4.0 per unit of work against one thread's 1.3), though a median of pairs,
+    which the tuner used before, would see only the fast steps and keep them."""
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    tuner = ThreadTuner([1, 2], lambda n: None)  # the engine's defaults
+    on_two = 0
+    used = []
+    for _ in range(300):
+        tuner.before_step()
+        used.append(tuner.current)
+        if tuner.current == 2:
+            on_two += 1
+            cost = 10.0 if on_two % 3 == 0 else 1.0
+        else:
+            cost = 1.3
+        tuner.after_step(cost, 1.0)
+    assert tuner.best == 1 and tuner.history[0][0] < 30
+    assert used[100:].count(2) <= 12, "later probes of the stalling count end after two pairs"
+
+
+def test_a_clear_win_switches_after_two_pairs():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    tuner = ThreadTuner([1, 2], lambda n: None)
+    used = _drive(tuner, {2: 3.0, 1: 1.0}, 40)
+    first_probe = used.index(1)
+    assert tuner.best == 1 and tuner.history[0][0] == first_probe + 3, "decided on its second pair"
+    assert used[first_probe + 3 :].count(2) == 0, "no third pair on the collapsed count"

@@ -10,14 +10,17 @@ out the runner keeps measuring:
   candidate in `probe_pairs` pairs of adjacent steps, one on the best count and the next on the
   candidate: two adjacent steps serve nearly the same batch, under nearly the same load;
 - each step's time is set against its work, priced by the sim's cost model (the same step at any
-  thread count costs the same work, whatever its mix of prefill and decode), and a pair's ratio is
-  the candidate's time per unit of work over the best count's; the median over the pairs decides,
-  so one step that met a burst of load or a different batch does not;
-- a candidate whose median is clearly faster (by `switch_margin`) takes over, and the next probe (of
-  the count it replaced) waits a few gaps; one that loses doubles the gap, up to `max_gap`, and one
-  that loses clearly in its first two pairs is not run further, so on a steady machine probing costs a few
-  percent at most, and a competitor that arrives later is still noticed. The first probe comes a
-  few steps in, so a machine that is already shared is found out at once.
+  thread count costs the same work, whatever its mix of prefill and decode), and the probe compares
+  the candidate's total seconds per unit of work with the best count's over its pairs. Totals, not a
+  median of pairs: what a competitor costs a parallel step is mostly the rare step whose thread it
+  descheduled for a whole time slice (a tiny-model step of 15 ms took 108 ms), which a median
+  would drop as an outlier, and which is the whole loss;
+- a candidate clearly faster (by `switch_margin`) takes over, and the next probe (of the count it
+  replaced) waits a few gaps; one that loses doubles the gap, up to `max_gap`. After two pairs a
+  probe already decides a clear case (`CLEAR_RATIO` either way), so a collapse is left within a
+  dozen steps and a clear loser costs two steps; on a steady machine probing costs a few percent
+  at most, and a competitor that arrives later is still noticed. The first probe comes a few steps
+  in, so a machine that is already shared is found out at once.
 
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
 imported unless the user set it), so a waiting thread does not take a core from the competitor.
@@ -29,11 +32,10 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from statistics import median
 from typing import Callable, Iterator
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
-CLEAR_LOSS = 1.5  # a candidate whose first two pairs are both this much slower ends its probe there
+CLEAR_RATIO = 1.5  # after two pairs, a candidate this much slower (or faster) ends its probe: the case is clear
 AFTER_SWITCH = 4  # after a switch the next probe waits this many first gaps
 
 
@@ -61,9 +63,10 @@ class ThreadTuner:
         self._probe: list[int] = []  # candidates still to probe in this round
         self._probing: int | None = None
         self._on_candidate = False  # this probe step runs on the candidate (else on the best count)
-        self._best_cost: float | None = None  # the pair's first half: the best count's seconds per work
-        self._ratios: list[float] = []  # the candidate's pairs: its seconds per work over the best's
-        self._medians: dict[int, float] = {}  # this round's median ratio per candidate
+        # this probe's totals, seconds and priced work, on the best count and on the candidate
+        self._best_s = self._best_w = self._cand_s = self._cand_w = 0.0
+        self._pairs = 0
+        self._ratios: dict[int, float] = {}  # this round's ratio per candidate: its seconds per work over the best's
         self.current = self.best
         self.switches = 0
         self.history: list[tuple[int, int]] = []  # (step, threads) at each change of the chosen count
@@ -85,14 +88,15 @@ class ThreadTuner:
             return
         if self._probing is None and self._since_probe >= self.gap:
             self._probe = [c for c in self.candidates if c != self.best]
-            self._medians = {}
+            self._ratios = {}
             self._start_next_probe()
         if self._probing is not None:
             self._use(self._probing if self._on_candidate else self.best)
 
     def _start_next_probe(self) -> None:
         self._probing = self._probe.pop(0)
-        self._on_candidate, self._best_cost, self._ratios = False, None, []
+        self._on_candidate, self._pairs = False, 0
+        self._best_s = self._best_w = self._cand_s = self._cand_w = 0.0
 
     def after_step(self, seconds: float, work: float) -> None:
         """The step just run took `seconds` for `work` (cost-model seconds at nominal peaks)."""
@@ -103,23 +107,27 @@ class ThreadTuner:
         if self._probing is None:
             self._since_probe += 1
             return
-        cost = seconds / work
         if not self._on_candidate:
-            self._best_cost, self._on_candidate = cost, True
+            self._best_s += seconds
+            self._best_w += work
+            self._on_candidate = True
             return
-        self._ratios.append(cost / self._best_cost)
+        self._cand_s += seconds
+        self._cand_w += work
         self._on_candidate = False
-        clearly_slower = len(self._ratios) >= 2 and min(self._ratios) > CLEAR_LOSS
-        if len(self._ratios) < self.probe_pairs and not clearly_slower:  # a clear loser is not run longer
+        self._pairs += 1
+        ratio = (self._cand_s / self._cand_w) / (self._best_s / self._best_w)
+        clear = self._pairs >= 2 and not 1 / CLEAR_RATIO < ratio < CLEAR_RATIO
+        if self._pairs < self.probe_pairs and not clear:  # a clear case is not run longer
             return
-        self._medians[self._probing] = median(self._ratios)
+        self._ratios[self._probing] = ratio
         if self._probe:
             self._start_next_probe()
             return
         self._finish_round()
 
     def _finish_round(self) -> None:
-        winner, ratio = min(self._medians.items(), key=lambda kv: kv[1])
+        winner, ratio = min(self._ratios.items(), key=lambda kv: kv[1])
         self._probing = None
         self._since_probe = 0
         if ratio * self.switch_margin < 1.0:
