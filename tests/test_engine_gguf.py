@@ -155,3 +155,21 @@ def test_a_bench_serves_its_own_token_ids_to_their_lengths_on_a_text_model(smoll
     _, server = run_config(config, items, before_run=record_prompts)
     assert seen == [it.prompt for it in items]
     assert server.metrics.output_tokens == sum(it.max_tokens for it in items)
+
+
+def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smollm2_path, chat_prompts):
+    """The trained model in bf16 (what --dtype auto runs on a CPU with AVX-512 BF16 or AMX), in every mode,
+    against transformers in bf16 on the same weights. Last in this file: it loads the GGUF a second time,
+    in bf16, and the float32 tests above share the first load."""
+    from _bf16 import check_up_to_near_ties
+    from kvscope.engine.gguf import load_gguf
+
+    model, _, _ = load_gguf(smollm2_path, torch.bfloat16, "cpu")
+    ref = copy.deepcopy(model).eval()  # before any engine packs it or installs its attention
+    max_tokens = 16
+    for mode in MODES:
+        llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", mode=mode, num_blocks=64, max_num_batched_tokens=48)
+        assert llm.engine.dtype == "bfloat16"
+        outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
+        assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"{mode}: only {agreed} tokens agreed"
