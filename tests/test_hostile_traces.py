@@ -309,3 +309,16 @@ def test_calibrate_on_a_trace_of_a_trillion_token_request_is_bounded(tmp_path, c
     err = capsys.readouterr().err
     assert "Traceback" not in err and peak < 200 << 20
     assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), err
+
+
+@pytest.mark.parametrize("change", [dict(priority=-2**63), dict(prompt_len=0), dict(arrival=1e308)],
+                         ids=["priority-int64-min", "prompt_len-0", "arrival-1e308"])
+def test_calibrate_when_the_sim_can_serve_none_of_the_requests_says_so(change, tmp_path, capsys):
+    import msgspec
+
+    _crafted_trace(tmp_path / "t.kvtrace",
+                   lambda ev: msgspec.structs.replace(ev, **change) if ev.type == "request" else ev)
+    assert main(["calibrate", str(tmp_path / "t.kvtrace")]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    assert "the sim ran no step in the trace's span" in out.out
