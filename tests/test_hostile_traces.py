@@ -322,3 +322,26 @@ def test_calibrate_when_the_sim_can_serve_none_of_the_requests_says_so(change, t
     out = capsys.readouterr()
     assert "Traceback" not in out.err
     assert "the sim ran no step in the trace's span" in out.out
+
+
+@pytest.mark.anyio
+async def test_a_replay_draws_latencies_up_to_the_largest_float(tmp_path):
+    """TTFT and ITL are any finite float in a trace: the histogram's axis must not reach 10 ** 309."""
+    import msgspec
+
+    from kvscope.tui.launch import make_replay_app
+
+    def huge(ev):
+        if ev.type != "step":
+            return ev
+        return msgspec.structs.replace(
+            ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308) for f in ev.first_tokens],
+            itl=[msgspec.structs.replace(s, gap=1.7976931348623157e308) for s in ev.itl])
+
+    _crafted_trace(tmp_path / "t.kvtrace", huge)
+    app = make_replay_app(str(tmp_path / "t.kvtrace"), playing=False, auto_tick=False, index_in_background=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("shift+end")
+        await pilot.pause()
+        text = app.screen.query_one("#latency").render().plain
+    assert "TTFT" in text and "ITL" in text and ">1e6h" in text
