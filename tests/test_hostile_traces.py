@@ -345,3 +345,42 @@ async def test_a_replay_draws_latencies_up_to_the_largest_float(tmp_path):
         await pilot.pause()
         text = app.screen.query_one("#latency").render().plain
     assert "TTFT" in text and "ITL" in text and ">1e6h" in text
+
+
+def _first_steps(n, **change):
+    import msgspec
+
+    seen = [0]
+
+    def rewrite(ev):
+        if ev.type == "step" and seen[0] < n:
+            seen[0] += 1
+            return msgspec.structs.replace(ev, **change)
+        return ev
+    return rewrite
+
+
+@pytest.mark.parametrize("rewrite", [_first_steps(3, t=-1e308), _first_steps(3, t=1e307, dur=1e307),
+                                     lambda ev: __import__("msgspec").structs.replace(ev, arrival=-1e308)
+                                     if ev.type == "request" else ev],
+                         ids=["step-t-1e308", "step-t-and-dur-1e307", "arrival-1e308"])
+def test_report_leaves_out_times_no_axis_can_hold_with_a_notice(rewrite, tmp_path, capsys):
+    _crafted_trace(tmp_path / "t.kvtrace", rewrite)
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    page = (tmp_path / "r.html").read_text()
+    assert "left out of the plots" in page and "<svg" in page
+
+
+def test_report_leaves_out_latencies_past_any_axis(tmp_path, capsys):
+    import msgspec
+
+    def huge(ev):
+        if ev.type != "step":
+            return ev
+        return msgspec.structs.replace(ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308) for f in ev.first_tokens])
+
+    _crafted_trace(tmp_path / "t.kvtrace", huge)
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
+    assert capsys.readouterr().err.count("error") == 0
+    assert "left out of the plots" in (tmp_path / "r.html").read_text()
