@@ -195,6 +195,30 @@ def test_view_survives_garbage_on_the_socket():
         pub.close()
 
 
+
+def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
+    """zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
+    reconnects after one: every later batch was lost for good."""
+    from kvscope.adapters import vllm_source
+
+    monkeypatch.setattr(vllm_source, "MAX_MESSAGE_BYTES", 4096)
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr).start()
+    try:
+        live_connected(pub, source)
+        pub.send_raw([b"", pub.seq.to_bytes(8, "big"), b"x" * 8192])
+        cached = source.state.cache.cached_blocks
+
+        def one_more_arrives():
+            pub.publish([pub.stored([1000 + pub.seq], None)])
+            return source.state.cache.cached_blocks > cached
+
+        assert wait_for(one_more_arrives, every=0.2)
+        assert source.state.kv.reconnects >= 1
+    finally:
+        source.close()
+        pub.close()
+
 def test_cache_view_is_bounded(monkeypatch):
     from kvscope.adapters import vllm_cache
     from kvscope.adapters.vllm_wire import Batch, Stored
