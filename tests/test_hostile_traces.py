@@ -384,3 +384,16 @@ def test_report_leaves_out_latencies_past_any_axis(tmp_path, capsys):
     assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
     assert capsys.readouterr().err.count("error") == 0
     assert "left out of the plots" in (tmp_path / "r.html").read_text()
+
+
+def test_calibrate_on_step_times_near_the_largest_float_is_one_line_and_no_warning(tmp_path, capsys):
+    import warnings
+
+    _crafted_trace(tmp_path / "t.kvtrace", _first_steps(3, t=1e308))
+    with warnings.catch_warnings(record=True) as caught:  # a user sees a warning as lines on stderr
+        warnings.simplefilter("always")
+        code = main(["calibrate", str(tmp_path / "t.kvtrace")])
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]  # squaring 1e308 overflowed the fit
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), err

@@ -68,12 +68,18 @@ def step_shape(ev: StepEvent) -> StepShape:
     return s
 
 
+MAX_STEP_S = 3600.0  # a step period longer than an hour is not an engine step (a damaged or crafted trace)
+
+
 def busy_periods(steps: list[StepEvent]) -> list[tuple[StepEvent, float]]:
     """(step, seconds until the next step) for steps after which the engine still had work."""
     out = []
     for ev, nxt in zip(steps, steps[1:]):
-        if (ev.running or ev.waiting or ev.preempted) and ev.batch:
-            out.append((ev, nxt.t - ev.t))
+        period = nxt.t - ev.t
+        # a step that took no time, or more than MAX_STEP_S (a trace's times are any finite float, and
+        # squaring 1e308 overflows the fit), says nothing about the cost model: left out
+        if (ev.running or ev.waiting or ev.preempted) and ev.batch and 0.0 < period <= MAX_STEP_S:
+            out.append((ev, period))
     return out
 
 
