@@ -378,7 +378,8 @@ def test_report_leaves_out_latencies_past_any_axis(tmp_path, capsys):
     def huge(ev):
         if ev.type != "step":
             return ev
-        return msgspec.structs.replace(ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308) for f in ev.first_tokens])
+        return msgspec.structs.replace(ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308)
+                                                         for f in ev.first_tokens])
 
     _crafted_trace(tmp_path / "t.kvtrace", huge)
     assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
