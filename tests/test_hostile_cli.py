@@ -66,6 +66,7 @@ QUICK = [
     (["trace-info", ROOT], "Is a directory"),
     (["calibrate", "/no/such/file.kvtrace"], "No such file or directory"),
     (["bench", "--preset", "nope"], "unknown bench preset 'nope'"),
+    (["diagnose", "x.kvtrace", "--window", "1e30"], "argument --window: 1e30 is outside [1, 1099511627776]"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

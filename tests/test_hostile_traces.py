@@ -309,3 +309,92 @@ def test_calibrate_on_a_trace_of_a_trillion_token_request_is_bounded(tmp_path, c
     err = capsys.readouterr().err
     assert "Traceback" not in err and peak < 200 << 20
     assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), err
+
+
+@pytest.mark.parametrize("change", [dict(priority=-2**63), dict(prompt_len=0), dict(arrival=1e308)],
+                         ids=["priority-int64-min", "prompt_len-0", "arrival-1e308"])
+def test_calibrate_when_the_sim_can_serve_none_of_the_requests_says_so(change, tmp_path, capsys):
+    import msgspec
+
+    _crafted_trace(tmp_path / "t.kvtrace",
+                   lambda ev: msgspec.structs.replace(ev, **change) if ev.type == "request" else ev)
+    assert main(["calibrate", str(tmp_path / "t.kvtrace")]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    assert "the sim ran no step in the trace's span" in out.out
+
+
+@pytest.mark.anyio
+async def test_a_replay_draws_latencies_up_to_the_largest_float(tmp_path):
+    """TTFT and ITL are any finite float in a trace: the histogram's axis must not reach 10 ** 309."""
+    import msgspec
+
+    from kvscope.tui.launch import make_replay_app
+
+    def huge(ev):
+        if ev.type != "step":
+            return ev
+        return msgspec.structs.replace(
+            ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308) for f in ev.first_tokens],
+            itl=[msgspec.structs.replace(s, gap=1.7976931348623157e308) for s in ev.itl])
+
+    _crafted_trace(tmp_path / "t.kvtrace", huge)
+    app = make_replay_app(str(tmp_path / "t.kvtrace"), playing=False, auto_tick=False, index_in_background=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("shift+end")
+        await pilot.pause()
+        text = app.screen.query_one("#latency").render().plain
+    assert "TTFT" in text and "ITL" in text and ">1e6h" in text
+
+
+def _first_steps(n, **change):
+    import msgspec
+
+    seen = [0]
+
+    def rewrite(ev):
+        if ev.type == "step" and seen[0] < n:
+            seen[0] += 1
+            return msgspec.structs.replace(ev, **change)
+        return ev
+    return rewrite
+
+
+@pytest.mark.parametrize("rewrite", [_first_steps(3, t=-1e308), _first_steps(3, t=1e307, dur=1e307),
+                                     lambda ev: __import__("msgspec").structs.replace(ev, arrival=-1e308)
+                                     if ev.type == "request" else ev],
+                         ids=["step-t-1e308", "step-t-and-dur-1e307", "arrival-1e308"])
+def test_report_leaves_out_times_no_axis_can_hold_with_a_notice(rewrite, tmp_path, capsys):
+    _crafted_trace(tmp_path / "t.kvtrace", rewrite)
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    page = (tmp_path / "r.html").read_text()
+    assert "left out of the plots" in page and "<svg" in page
+
+
+def test_report_leaves_out_latencies_past_any_axis(tmp_path, capsys):
+    import msgspec
+
+    def huge(ev):
+        if ev.type != "step":
+            return ev
+        return msgspec.structs.replace(ev, first_tokens=[msgspec.structs.replace(f, ttft=1e308)
+                                                         for f in ev.first_tokens])
+
+    _crafted_trace(tmp_path / "t.kvtrace", huge)
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "t.kvtrace")]) == 0
+    assert capsys.readouterr().err.count("error") == 0
+    assert "left out of the plots" in (tmp_path / "r.html").read_text()
+
+
+def test_calibrate_on_step_times_near_the_largest_float_is_one_line_and_no_warning(tmp_path, capsys):
+    import warnings
+
+    _crafted_trace(tmp_path / "t.kvtrace", _first_steps(3, t=1e308))
+    with warnings.catch_warnings(record=True) as caught:  # a user sees a warning as lines on stderr
+        warnings.simplefilter("always")
+        code = main(["calibrate", str(tmp_path / "t.kvtrace")])
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]  # squaring 1e308 overflowed the fit
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), err

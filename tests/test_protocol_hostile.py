@@ -457,3 +457,32 @@ def test_live_backlog_is_capped_in_bytes_and_drops_the_oldest():
     dropped = src.take_local_dropped()
     assert [ev.step for ev in kept] == [39, 40]  # the newest
     assert dropped == len(frames) - 2
+
+
+def test_one_oversized_frame_does_not_leave_a_subscriber_deaf_to_its_publisher():
+    """zmq drops the connection of a peer that sent a frame over MAXMSGSIZE and, as a protocol error,
+    never reconnects a connecting socket: every later event from that address was lost for good."""
+    import zmq
+
+    from _helpers import free_port, wait_for
+    from kvscope.protocol import HelloEvent, encode
+    from kvscope.protocol.engine_info import EngineInfo
+    from kvscope.protocol.transport import Subscriber
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(addr)
+    sub = Subscriber(addr, max_size=4096)
+    hello = encode(HelloEvent(version=1, config=EngineInfo(model="tiny"), wall_start=0.0))
+    got = []
+    try:
+        # subscribed once a hello gets through; then one frame over the size limit
+        assert wait_for(lambda: pub.send(hello) or (ev := sub.recv(50)) is not None and got.append(ev) is None)
+        pub.send(b"x" * 8192)
+        got.clear()
+        assert wait_for(lambda: pub.send(hello) or (ev := sub.recv(50)) is not None and got.append(ev) is None)
+        assert got[0].type == "hello" and sub.reconnects >= 1
+    finally:
+        sub.close()
+        pub.close(0)

@@ -135,3 +135,36 @@ def test_the_page_renders_in_headless_chromium_with_a_quiet_console(tmp_path):
         assert re.search(rf'<figure class="plot" id="{name}"><svg', dom), name
     console = [x for x in proc.stderr.splitlines() if "CONSOLE" in x or ":INFO:CONSOLE" in x]
     assert console == []
+
+
+TOP = 1.7976931348623157e308
+HOSTILE_JSON = {
+    "rows-at-the-largest-float": {"rows": [{"name": "a", "output_tok_per_s": TOP, "ttft_p99_s": TOP}]},
+    "knob-prediction-at-the-largest-float": {
+        "bottleneck": "kv", "knobs": [{"flag": "--num-blocks", "predicted": {"output_tok_per_s": TOP}}],
+        "what_if": {"baseline": {"output_tok_per_s": 1.0}}},
+    "fields-of-the-wrong-type": {"bottleneck": {"a": []}, "knobs": [{"flag": [], "predicted": "fast"}],
+                                 "measure_next": 5, "secondary": "x", "evidence": {"a": 1}},
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_JSON))
+def test_a_hostile_json_input_still_makes_a_page(name, tmp_path, capsys):
+    import json
+
+    (tmp_path / "in.json").write_text(json.dumps(HOSTILE_JSON[name]))
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "in.json")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_bench_json_of_many_rows_draws_the_first_ones_and_counts_the_rest(tmp_path):
+    import json
+
+    from kvscope.report.page import MAX_ROWS
+
+    rows = [{"name": f"row-{i}-" + "x" * 5000, "output_tok_per_s": float(i)} for i in range(MAX_ROWS + 50)]
+    (tmp_path / "in.json").write_text(json.dumps({"rows": rows}))
+    page = build([str(tmp_path / "in.json")])
+    assert "50 more rows than the 256 shown are left out" in page
+    assert f"row-{MAX_ROWS - 1}-" in page and f"row-{MAX_ROWS}-" not in page

@@ -225,6 +225,17 @@ def test_bad_chat_requests_and_the_client_errors(live, client):
     assert too_long  # the engine kept serving after all of the above
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"max_completion_tokens": -5, "max_tokens": 3},
+                                                               "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens")])
+def test_a_bad_chat_token_cap_is_named_as_the_client_sent_it(live, body, param):
+    r = httpx.post(live.base_url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("priority", ["-9223372036854775808", "-9223372036854775809", "18446744073709551615",
                                       "9223372036854775808", "1e400", "1.5", "true"])
 def test_a_priority_past_int64_is_a_400(live, priority):

@@ -195,6 +195,30 @@ def test_view_survives_garbage_on_the_socket():
         pub.close()
 
 
+
+def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
+    """zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
+    reconnects after one: every later batch was lost for good."""
+    from kvscope.adapters import vllm_source
+
+    monkeypatch.setattr(vllm_source, "MAX_MESSAGE_BYTES", 4096)
+    pub = FakeKvPublisher(legacy=False)
+    source = VllmSource(kv_events=pub.addr).start()
+    try:
+        live_connected(pub, source)
+        pub.send_raw([b"", pub.seq.to_bytes(8, "big"), b"x" * 8192])
+        cached = source.state.cache.cached_blocks
+
+        def one_more_arrives():
+            pub.publish([pub.stored([1000 + pub.seq], None)])
+            return source.state.cache.cached_blocks > cached
+
+        assert wait_for(one_more_arrives, every=0.2)
+        assert source.state.kv.reconnects >= 1
+    finally:
+        source.close()
+        pub.close()
+
 def test_cache_view_is_bounded(monkeypatch):
     from kvscope.adapters import vllm_cache
     from kvscope.adapters.vllm_wire import Batch, Stored
@@ -502,6 +526,31 @@ async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
     assert "running -" in queues and "KV cache -" in queues
     assert "TTFT" in latency and "+Inf" in latency
 
+
+
+@pytest.mark.anyio
+async def test_the_vllm_panels_draw_the_largest_finite_values():
+    """Finite is not small: 1e308 passes every isfinite check, and 8 * 1e308 or 1e308 * 20 overflows."""
+    from kvscope.adapters.vllm_metrics import Scrape
+    from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import VllmFeed
+
+    big, top = 1e308, 1.7976931348623157e308
+    source = VllmSource("http://127.0.0.1:9")
+    for t in (0.0, 1.0):
+        source.state.metrics.add(Scrape(
+            t, gauges={"num_requests_running": big, "num_requests_waiting": -big, "kv_cache_usage_perc": big * t},
+            counters={"generation_tokens": top * t, "prefix_cache_queries": big * t, "prefix_cache_hits": top * t},
+            buckets={"time_to_first_token_seconds": [(0.1, big * t), (1.0, top * t), (float("inf"), top * t)],
+                     "inter_token_latency_seconds": [(big, big * t), (float("inf"), top * t)]}))
+    app = KvscopeApp([VllmFeed(source)], first="vllm", auto_tick=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.pump()
+        await pilot.pause()
+        queues = app.screen.query_one("#vllm-queues").render().plain
+        latency = app.screen.query_one("#vllm-latency").render().plain
+    assert "KV cache " + "█" * 20 in queues  # a usage past 1 fills the bar
+    assert "TTFT" in latency and "ITL" in latency and ">1e6h" in latency
 
 def test_a_seq_jump_to_near_2_63_is_a_visible_reset_and_the_view_follows():
     pub = FakeKvPublisher(legacy=False)

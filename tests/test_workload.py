@@ -459,3 +459,25 @@ def test_load_spec_errors(tmp_path):
     with pytest.raises(KvscopeError) as ei:
         load_spec(str(wrong))
     assert "wrong.json" in str(ei.value) and "arrival.kind" in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_a_generated_list_holds_a_bounded_number_of_prompt_tokens(monkeypatch, tmp_path, capsys):
+    """A bench generates its whole workload up front: a spec asking for a million long prompts is
+    refused in one line at the bound, instead of a MemoryError; generate_iter still streams it."""
+    import importlib
+
+    from kvscope.cli import main
+
+    gen_mod = importlib.import_module("kvscope.workload.generate")  # the module (the package re-exports a function)
+    monkeypatch.setattr(gen_mod, "MAX_HELD_TOKENS", 5000)
+    spec = {"num_requests": 1000000, "arrival": {"kind": "all"}, "prompt_len": {"kind": "const", "value": 1000},
+            "output_len": {"kind": "const", "value": 2}}
+    (tmp_path / "w.json").write_text(json.dumps(spec))
+    with pytest.raises(gen_mod.WorkloadError, match="pass 5,000 tokens after 5 of its requests"):
+        gen_mod.generate(gen_mod.load_spec(str(tmp_path / "w.json")), vocab_size=100)
+    stream = gen_mod.generate_iter(gen_mod.load_spec(str(tmp_path / "w.json")), vocab_size=100)
+    assert sum(len(next(stream).prompt) for _ in range(50)) == 50_000  # a stream holds what it reached
+    assert main(["bench", "--backend", "sim", "--model", "llama-3.3-70b-fp8", "--modes", "chunked",
+                 "--workload", str(tmp_path / "w.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than a list of them may hold in memory" in err[0], err

@@ -45,6 +45,7 @@ class KvStats:
     resets: int = 0  # the seq jumped past any plausible gap (a restarted or broken publisher): followed anew
     last_seq: int = -1
     stale: int = 0  # live batches in a row at or below last_seq (a few follow every replay; endless ones: a reset)
+    reconnects: int = 0  # the connection dropped (the publisher left, or sent a message over the size limit)
     last_error: str | None = None
 
 
@@ -214,14 +215,30 @@ class VllmSource:
             with self.lock:
                 self.state.kv.last_error = f"cannot connect {self.state.kv_addr}: {e}"
             return
+        # zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
+        # reconnects a connecting socket after one: the view would stay deaf to it for good. The
+        # monitor tells of each disconnection; each is answered by connecting afresh (counted).
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # Batches published before this view started are only in the replay buffer.
         self.replay_from(0)
         try:
             while not self._stop.is_set():
+                if monitor.poll(0):
+                    while monitor.poll(0):
+                        monitor.recv_multipart()
+                    try:
+                        sub.disconnect(self.state.kv_addr)  # whatever zmq still holds (nothing after a protocol error)
+                    except zmq.ZMQError:
+                        pass
+                    sub.connect(self.state.kv_addr)
+                    with self.lock:
+                        self.state.kv.reconnects += 1
                 if not sub.poll(POLL_MS):
                     continue
                 self.handle_frames(sub.recv_multipart())
         finally:
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close()
 
     def handle_frames(self, frames: list[bytes]) -> None:

@@ -68,12 +68,18 @@ def step_shape(ev: StepEvent) -> StepShape:
     return s
 
 
+MAX_STEP_S = 3600.0  # a step period longer than an hour is not an engine step (a damaged or crafted trace)
+
+
 def busy_periods(steps: list[StepEvent]) -> list[tuple[StepEvent, float]]:
     """(step, seconds until the next step) for steps after which the engine still had work."""
     out = []
     for ev, nxt in zip(steps, steps[1:]):
-        if (ev.running or ev.waiting or ev.preempted) and ev.batch:
-            out.append((ev, nxt.t - ev.t))
+        period = nxt.t - ev.t
+        # a step that took no time, or more than MAX_STEP_S (a trace's times are any finite float, and
+        # squaring 1e308 overflows the fit), says nothing about the cost model: left out
+        if (ev.running or ev.waiting or ev.preempted) and ev.batch and 0.0 < period <= MAX_STEP_S:
+            out.append((ev, period))
     return out
 
 
@@ -211,6 +217,8 @@ def run_stats(steps: list[StepEvent], requests: list[RequestEvent], t_end: float
 
     if t_end is not None:
         steps = [s for s in steps if s.t < t_end]
+    if not steps:  # the sim served none of the trace's requests in its span (their numbers are not trusted)
+        return RunStats(0, 0.0, 0.0, None, None, 0)
     t0 = min(r.arrival for r in requests)
     end = steps[-1].t + steps[-1].dur
     tokens = sum(len(s.sampled) for s in steps)
@@ -340,11 +348,14 @@ def format_report(r: dict) -> str:
         f"  {'steps':12}{m['steps']:>12}{s['steps']:>12}",
         "",
         f"  sim: {r['sim_speed']['steps']} steps in {r['sim_speed']['wall_s']:.2f} s wall = "
-        f"{r['sim_speed']['steps_per_s']:.0f} steps/s, {r['sim_speed']['virtual_over_wall']:.0f}x real time",
+        f"{r['sim_speed']['steps_per_s'] or 0:.0f} steps/s, {r['sim_speed']['virtual_over_wall'] or 0:.0f}x real time",
     ]
     caution = fit_caution(f["mean_abs_rel_err"], f["r2"])
     if caution:
         lines[3:3] = [f"  {caution}"]
+    if s["steps"] == 0:
+        lines.insert(-2, "  the sim ran no step in the trace's span: it could serve none of the requests as recorded "
+                         "(lengths, limits or priorities out of range, or arrivals after the end)")
     for p, v in r.get("held_out", {}).items():
         hm, hs = v["measured"], v["simulated"]
         lines += ["", f"  held out: {p}",

@@ -9,6 +9,8 @@ from kvscope.cli.command import Command
 from kvscope.cli.common import UsageError, check_output_path, engine_args, engine_config, int_type, workload_args
 from kvscope.cli.diagnose_vllm import add_vllm_args, diagnose_file
 
+MAX_WINDOW = 1 << 40  # steps: more than any trace holds (a larger number overflowed a C size: a cryptic error)
+
 
 class Diagnose(Command):
     name = "diagnose"
@@ -17,7 +19,8 @@ class Diagnose(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("file", nargs="?", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
         p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
-        p.add_argument("--window", type=int_type(1), default=None, metavar="N", help="judge only the last N steps")
+        p.add_argument("--window", type=int_type(1, MAX_WINDOW), default=None, metavar="N",
+                       help="judge only the last N steps")
         p.add_argument("--no-what-if", action="store_true", help="skip re-running the requests in the sim")
         engine_args(p)
         workload_args(p, "mixed")

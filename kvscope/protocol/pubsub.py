@@ -264,9 +264,16 @@ class Subscriber(OwnsSocket):
         # Refuse oversize frames at the zmq level (the peer is disconnected).
         self._sock.setsockopt(zmq.MAXMSGSIZE, self._max_size)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # zmq drops a connection whose peer sent a frame over MAXMSGSIZE as a protocol error, and a
+        # connecting socket never reconnects after one: one oversized frame would leave this
+        # subscriber deaf to that address for good. The monitor tells of every disconnection;
+        # each one is answered by connecting afresh (counted in .reconnects).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(addr)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.reconnects = 0
         self.malformed = 0
         self.unknown = 0
         self.last_error: str | None = None
@@ -280,6 +287,7 @@ class Subscriber(OwnsSocket):
         zmq = zmq_module()
         deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
         while True:
+            self._reconnect_if_dropped()
             try:
                 return self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -289,6 +297,32 @@ class Subscriber(OwnsSocket):
                 if not self._poller.poll(max(1, int(left * 1000))):
                     if time.monotonic() >= deadline:
                         return None
+
+    def _reconnect_if_dropped(self) -> None:
+        zmq = zmq_module()
+        dropped = False
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id and value, endpoint]: only disconnections
+            except zmq.Again:
+                break
+            dropped = True
+        if dropped:
+            try:
+                self._sock.disconnect(self.addr)  # whatever zmq still holds for it (nothing after a protocol error)
+            except zmq.ZMQError:
+                pass
+            self._sock.connect(self.addr)
+            self.reconnects += 1
+
+    def close(self) -> None:
+        if not self._closed:
+            try:
+                self._sock.disable_monitor()
+            except Exception:  # the context may be terminating
+                pass
+            self._monitor.close(0)
+        super().close()
 
     def decode_frame(self, data: bytes):
         """Decode one frame: the event, or None (counted in ``malformed``) if it is bad."""

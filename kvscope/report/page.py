@@ -95,9 +95,14 @@ RESULT_COLUMNS = (("output_tok_per_s", "output tok/s"), ("ttft_mean_s", "TTFT me
                   ("duration_s", "duration s"))
 
 
+MAX_ROWS = 256  # rows of one bench or race JSON drawn (a real one has tens); the rest are counted
+MAX_KNOBS = 64
+
+
 def results_section(inp: Input) -> str:
     data = inp.data or {}
     rows = [r for r in data.get("rows", []) if isinstance(r, dict)]
+    more, rows = len(rows) - MAX_ROWS, rows[:MAX_ROWS]
     what = "race" if "traces" in data else "bench"
     meta = ", ".join(f"{k} {_e(data[k])}" for k in ("workload", "model", "device", "backend", "num_requests")
                      if isinstance(data.get(k), (str, int, float)))
@@ -105,10 +110,12 @@ def results_section(inp: Input) -> str:
     if not rows:
         parts.append(_notice(f"{inp.path}: no rows"))
         return "\n".join(parts)
+    if more > 0:
+        parts.append(_notice(f"{inp.path}: {more:,} more rows than the {MAX_ROWS} shown are left out"))
     cols = [(k, h) for k, h in RESULT_COLUMNS if any(k in r for r in rows)]
     parts.append(_table(["row"] + [h for _, h in cols], [[_e(r.get("name", "?"))] + [_num(r.get(k)) for k, _ in cols]
                                                          for r in rows]))
-    names = [str(r.get("name", "?")) for r in rows]
+    names = [str(r.get("name", "?"))[:plots.MAX_LABEL] for r in rows]
     peers = ["#999999" if str(r.get("name", "")).startswith(("hf-", "llama")) else plots.colour(i)
              for i, r in enumerate(rows)]
     parts.append(_figure(plots.bars(names, [r.get("output_tok_per_s") for r in rows], title="Output tokens per second",
@@ -135,12 +142,12 @@ def diagnosis_section(inp: Input) -> str:
     if secondary:
         parts.append("<p>Runners-up: " + "; ".join(f"<code>{_e(s.get('bottleneck'))}</code> ({_num(s.get('score'))}): "
                                                    f"{_e(s.get('evidence', ''))}" for s in secondary) + "</p>")
-    knobs = [k for k in d.get("knobs") or [] if isinstance(k, dict)]
+    knobs = [k for k in d.get("knobs") or [] if isinstance(k, dict)][:MAX_KNOBS]
     baseline = (d.get("what_if") or {}).get("baseline") if isinstance(d.get("what_if"), dict) else None
     if knobs:
         rows = []
         for k in knobs:
-            p = k.get("predicted") or {}
+            p = k.get("predicted") if isinstance(k.get("predicted"), dict) else {}
             rows.append([f"<code>{_e(k.get('flag'))}</code>", _e(k.get("from")), _e(k.get("to")), _e(k.get("why", "")),
                          _num(p.get("output_tok_per_s")), _num(p.get("ttft_p99_s")), _num(p.get("itl_p99_s"))])
         parts.append(_table(["knob", "from", "to", "why", "predicted tok/s", "TTFT p99 s", "ITL p99 s"], rows))

@@ -20,6 +20,7 @@ RUN_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7")
 PREFILL, DECODE, BUDGET = "#E69F00", "#56B4E9", "#000000"
 PERCENTILE_STYLES = {0.5: ("p50", ":"), 0.9: ("p90", "--"), 0.99: ("p99", "-.")}
 WIDTH = 9.5  # inches
+MAX_LABEL = 80  # characters of a row or knob name drawn beside its bar
 
 
 def _plt():
@@ -240,12 +241,20 @@ def _every(stride: int) -> str:
     return f"every {stride}{suffix} arrival"
 
 
+MAX_BAR = 1e15  # a bar's value from a JSON input: beyond it (up to 1.8e308) no axis limit is finite
+
+
+def _bar_value(v) -> float:
+    """A value from a JSON input as a bar: a number in [0, MAX_BAR], else 0 (the table shows it as given)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_BAR else 0.0
+
+
 def bars(names: Sequence[str], values: Sequence[float], *, title: str, xlabel: str,
          colours: Sequence[str] | None = None) -> str:
     """Horizontal bars, one per row, labelled with their values."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH, 0.35 * len(names) + 1.0))
-    vals = [v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in values]
+    vals = [_bar_value(v) for v in values]
     cs = list(colours) if colours else [colour(i) for i in range(len(names))]
     ax.barh(range(len(names)), vals, color=cs)
     for y, v in enumerate(vals):
@@ -262,12 +271,11 @@ def bars(names: Sequence[str], values: Sequence[float], *, title: str, xlabel: s
 def knob_predictions(baseline: dict, knobs: Sequence[dict]) -> str:
     """Each knob's predicted output tok/s and TTFT p99 beside the baseline."""
     plt = _plt()
-    names = ["baseline"] + [f"{k.get('flag', '?')} {k.get('from', '')}→{k.get('to', '')}" for k in knobs]
-    series = [baseline] + [k.get("predicted") or {} for k in knobs]
+    names = ["baseline"] + [f"{k.get('flag', '?')} {k.get('from', '')}→{k.get('to', '')}"[:MAX_LABEL] for k in knobs]
+    series = [baseline] + [k.get("predicted") if isinstance(k.get("predicted"), dict) else {} for k in knobs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(WIDTH, 0.4 * len(names) + 1.2), sharey=True)
     for ax, key, label in ((a, "output_tok_per_s", "output tok/s"), (b, "ttft_p99_s", "TTFT p99 (s)")):
-        vals = [s.get(key) if isinstance(s.get(key), (int, float)) and math.isfinite(s.get(key)) else 0.0
-                for s in series]
+        vals = [_bar_value(s.get(key)) for s in series]
         ax.barh(range(len(names)), vals, color=["#999999"] + [RUN_COLOURS[0]] * (len(names) - 1))
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:,.3g}", va="center", fontsize=8)

@@ -21,6 +21,10 @@ from kvscope.quantiles import QuantileSketch
 MAX_BUCKETS = 600
 GANTT_REQUESTS = 12  # requests drawn per run (the sample keeps between this and twice this many)
 MAX_SLICES = 256  # prefill chunks kept per sampled request; later ones are counted only
+# A trace's times and latencies are any finite float (up to 1.8e308 s); matplotlib cannot lay out an
+# axis that wide. Engine times beyond +-MAX_SECONDS (about 32 years) and latencies outside
+# [0, MAX_SECONDS] are left out of the plots and counted in a notice.
+MAX_SECONDS = 1e9
 
 COLUMNS = ("out_tokens", "prefill", "decode", "padding", "budget", "running", "waiting", "preempted",
            "kv_used", "kv_shared", "kv_cached", "kv_free", "kv_total", "waste_slots", "token_slots",
@@ -156,6 +160,7 @@ class RunSeries:
     finished: int = 0
     notices: list[str] = field(default_factory=list)
     t_end: float = 0.0
+    out_of_range: int = 0  # steps, arrivals and latency samples left out (times beyond MAX_SECONDS)
 
     @property
     def output_tokens(self) -> int:
@@ -183,12 +188,25 @@ def fold(run: RunSeries, events: Iterable) -> RunSeries:
         if kind == "step":
             _step(run, ev)
         elif kind == "request":
-            sample.arrive(ev.req, ev.arrival, ev.prompt_len)
+            if -MAX_SECONDS <= ev.arrival <= MAX_SECONDS:
+                sample.arrive(ev.req, ev.arrival, ev.prompt_len)
+            else:
+                run.out_of_range += 1
     return run
+
+
+def _latency(run: RunSeries, sketch, v: float) -> None:
+    if 0.0 <= v <= MAX_SECONDS:
+        sketch.add(v)
+    else:
+        run.out_of_range += 1
 
 
 def _step(run: RunSeries, ev) -> None:
     t0, t1 = ev.t, ev.t + ev.dur
+    if not (-MAX_SECONDS <= t0 <= MAX_SECONDS and -MAX_SECONDS <= t1 <= MAX_SECONDS):
+        run.out_of_range += 1  # a step out of any run's time: nothing of it can be placed on an axis
+        return
     prefill = decode = 0
     for b in ev.batch:
         if b.kind == PREFILL:
@@ -209,9 +227,9 @@ def _step(run: RunSeries, ev) -> None:
         if line is not None and len(line.preempted_at) < MAX_SLICES:
             line.preempted_at.append(t0)
     for f in ev.first_tokens:
-        run.ttft.add(f.ttft)
+        _latency(run, run.ttft, f.ttft)
     for s in ev.itl:
-        run.itl.add(s.gap)
+        _latency(run, run.itl, s.gap)
     for f in ev.finished:
         run.finished += 1
         line = run.requests.get(f.req)
@@ -223,7 +241,7 @@ def _step(run: RunSeries, ev) -> None:
               float(kv.used), float(kv.shared), float(kv.cached), float(kv.free), float(kv.total),
               float(kv.tail_waste + kv.reserve_waste), float(kv.token_slots),
               float(len(ev.preemptions)), float(len(ev.swaps))]
-    if all(math.isfinite(v) for v in values) and math.isfinite(t0) and math.isfinite(t1):
+    if all(math.isfinite(v) for v in values):
         run.steps.add(t0, t1, values)
         run.t_end = max(run.t_end, t1)
 
@@ -246,5 +264,8 @@ def read_trace(path: str, label: str) -> RunSeries:
         fold(run, reader)
     except ProtocolError as e:
         run.notices.append(f"damaged after step {run.steps.steps}: {e}")
+    if run.out_of_range:
+        run.notices.append(f"{run.out_of_range} steps, arrivals or latencies with times beyond "
+                           f"{MAX_SECONDS:.0e} s (or negative latencies) are left out of the plots")
     run.notices.extend(reader.warnings)
     return run

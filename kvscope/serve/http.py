@@ -235,8 +235,9 @@ class HttpFrontEnd:
             name = self._model_name(req.model)
             oa.check_request(req)
             messages = oa.chat_messages(req)
+            given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req))
+            params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req), max_tokens_param=given)
             prompt = self._chat_prompt(messages, req)
             echo = oa.chat_echo(req, messages)
         except oa.ApiError as e:

@@ -228,9 +228,11 @@ def check_request(req: _Request) -> None:
             raise ApiError(400, "only the text response_format is supported", param="response_format")
 
 
-def sampling_params(req: _Request, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _Request, max_tokens: int | None, default_max_tokens: int, logprobs: int | None,
+                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """``max_tokens_param``: the field max_tokens came from (chat's max_completion_tokens wins), named in errors."""
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1 (got {max_tokens})", param="max_tokens")
+        raise ApiError(400, f"{max_tokens_param} must be at least 1 (got {max_tokens})", param=max_tokens_param)
     temperature = 1.0 if req.temperature is None else req.temperature
     if not math.isfinite(temperature) or not 0.0 <= temperature <= 2.0:
         raise ApiError(400, f"temperature must be in [0, 2] (got {temperature})", param="temperature")

@@ -8,8 +8,12 @@ def dur(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     s = float(seconds)
+    if s != s:  # NaN: no duration at all
+        return "-"
     if s < 0:
         s = 0.0
+    if s >= 3.6e9:  # a million hours and more (a hostile trace, +Inf): no digits to spell out
+        return ">1e6h"
     if s < 1e-3:
         return f"{s * 1e6:.0f}µs"
     if s < 1.0:

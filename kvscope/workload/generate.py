@@ -18,6 +18,11 @@ from .files import load_spec
 from .spec import MAX_REQUESTS, WorkloadSpec
 
 
+# The prompt tokens one generate() list may hold (about 36 bytes each as Python ints: 1.2 GB);
+# generate_iter and a server's stream hold only the requests they have reached.
+MAX_HELD_TOKENS = 1 << 25
+
+
 @dataclass(slots=True)
 class WorkloadRequest:
     arrival: float  # seconds from the start of the workload
@@ -126,9 +131,16 @@ def generate(spec: WorkloadSpec, *, vocab_size: int, num_requests: int | None = 
     ``max_tokens_cap``; both stay >= 1.
     """
     # Arrival times never decrease, so the requests come out sorted by arrival.
-    return list(generate_iter(spec, vocab_size=vocab_size, num_requests=num_requests, seed=seed,
-                              max_prompt_len=max_prompt_len, max_tokens_cap=max_tokens_cap,
-                              reserved_ids=reserved_ids))
+    out, held = [], 0
+    for r in generate_iter(spec, vocab_size=vocab_size, num_requests=num_requests, seed=seed,
+                           max_prompt_len=max_prompt_len, max_tokens_cap=max_tokens_cap, reserved_ids=reserved_ids):
+        held += len(r.prompt)
+        if held > MAX_HELD_TOKENS:
+            raise WorkloadError(f"workload {short_repr(spec.name)}: its prompts pass {MAX_HELD_TOKENS:,} tokens after "
+                                f"{len(out):,} of its requests, more than a list of them may hold in memory "
+                                "(ask for fewer requests or shorter prompts)")
+        out.append(r)
+    return out
 
 
 def generate_forever(spec: WorkloadSpec, *, vocab_size: int, seed: int | None = None,

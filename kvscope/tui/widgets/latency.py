@@ -12,6 +12,7 @@ from kvscope.tui.widgets.base import StateWidget, join_lines
 EIGHTHS = " ▁▂▃▄▅▆▇█"
 SPARK = "▁▂▃▄▅▆▇█"
 MARKS = (("▲", "p50"), ("◆", "p90"), ("●", "p99"))
+MAX_DECADE = 9  # the histograms' axis ends at 10^9 s (about 32 years)
 
 
 def _decade_label(d: int) -> str:
@@ -39,6 +40,9 @@ def histogram_lines(h, name: str, width: int, bar_rows: int, pal) -> list[Text]:
     # Range: whole decades around the samples.
     lo = math.floor(math.log10(max(h.vmin, 1e-9)))
     hi = math.ceil(math.log10(max(h.vmax, 1e-9)) + 1e-9)
+    # A trace or a publisher may send any finite latency, up to 1.8e308 s: the axis stops at
+    # 10^MAX_DECADE s (every larger sample falls in its last column), so 10 ** x never overflows.
+    lo, hi = min(lo, MAX_DECADE - 1), min(hi, MAX_DECADE)
     if hi <= lo:
         hi = lo + 1
     span = hi - lo

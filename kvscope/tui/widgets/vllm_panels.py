@@ -73,7 +73,7 @@ class VllmQueues(StateWidget):
         ln = Text(" KV cache ")
         if kv is not None:
             width = 20
-            filled = max(0, min(width, int(round(kv * width))))
+            filled = int(round(min(1.0, max(0.0, kv)) * width))  # a usage past 1 (up to 1.8e308) fills the bar
             ln.append("█" * filled, style=pal.bad if kv > 0.95 else pal.ok)
             ln.append("·" * (width - filled), style=pal.dim)
             ln.append(f" {fmt.pct(kv)}")
@@ -125,16 +125,17 @@ class VllmLatency(StateWidget):
         prev = 0.0
         cells = []
         for le, c in buckets:
-            cells.append((le, max(0.0, c - prev)))
+            n = c - prev  # two counts near ±1.8e308 differ by more than a float holds: drawn as none
+            cells.append((le, n if 0.0 < n < math.inf else 0.0))
             prev = c
         peak = max(n for _, n in cells) or 1.0
         glyphs = " ▁▂▃▄▅▆▇█"
         for le, n in cells[: max(1, width // 2)]:
-            g = glyphs[min(8, int(math.ceil(8 * n / peak)))] if n else "·"
+            g = glyphs[min(8, int(math.ceil(n / peak * 8)))] if n else "·"  # n / peak first: 8 * 1e308 overflows
             t.append(g * 2, style=pal.bar if n else pal.dim)
         bound = lambda le: "+Inf" if math.isinf(le) else fmt.dur(le)  # noqa: E731
         t.append(f"  ≤{bound(cells[0][0])} … {bound(cells[-1][0])}"
-                 f", {total:.0f} samples", style=pal.dim)
+                 f", {total:.0f} samples" if total < 1e15 else f", {total:.3g} samples", style=pal.dim)
         return t
 
 
