@@ -203,3 +203,93 @@ def test_a_clear_win_switches_after_two_pairs():
     first_probe = used.index(1)
     assert tuner.best == 1 and tuner.history[0][0] == first_probe + 3, "decided on its second pair"
     assert used[first_probe + 3 :].count(2) == 0, "no third pair on the collapsed count"
+
+
+# ---- other processes' load (kvscope/engine/cpu_load.py) --------------------------------------------------
+def test_other_processes_load_is_the_machines_busy_time_less_this_process():
+    from kvscope.engine.cpu_load import CpuSample, others_busy, read_busy_s
+
+    a = CpuSample(busy_s=100.0, own_s=10.0, t=50.0)
+    b = CpuSample(busy_s=103.0, own_s=11.0, t=51.0)  # 3 busy seconds in one second, one of them ours
+    assert others_busy(a, b) == 2.0
+    assert others_busy(a, CpuSample(100.5, 11.0, 51.0)) == 0.0, "never below zero (the two clocks' rounding)"
+    assert others_busy(a, CpuSample(101.0, 10.0, 50.01)) is None, "too short a window to say"
+
+
+def test_proc_stat_is_read_without_nice_idle_or_steal(tmp_path):
+    from kvscope.engine.cpu_load import read_busy_s
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  700 9000 200 5000 40 30 20 800 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert read_busy_s(str(stat), ticks=100) == (700 + 200 + 30 + 20) / 100
+    for bad in ("", "intr 1 2 3\n", "cpu  a b c d e f g h\n", "cpu 1 2\n"):
+        stat.write_text(bad)
+        assert read_busy_s(str(stat)) is None
+    assert read_busy_s(str(tmp_path / "missing")) is None
+
+
+def test_a_busy_process_reads_as_about_a_core():
+    """One CPU-bound child process, measured over half a second: at least half a core (it has a core to
+    itself while this test sleeps; a busier machine only reads higher)."""
+    import subprocess
+    import sys
+    import time
+
+    from kvscope.engine.cpu_load import OtherLoad, read_busy_s
+
+    if read_busy_s() is None:
+        pytest.skip("no /proc/stat here")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # let it take its core
+        load = OtherLoad()
+        time.sleep(0.5)
+        assert load.busy_cores() >= 0.5
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+class _ScriptedLoad:
+    """Other processes' cores, one reading per call, as the tuner asks for them."""
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.calls = 0
+
+    def busy_cores(self):
+        self.calls += 1
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_the_tuner_starts_on_fewer_threads_where_a_core_was_busy_while_the_model_loaded():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    applied = []
+    tuner = ThreadTuner([1, 2], applied.append, load=_ScriptedLoad([1.0]))
+    used = _drive(tuner, {2: 3.0, 1: 1.0}, 60)
+    assert used[0] == 1 and tuner.history[0] == (0, 1) and applied[:2] == [2, 1]
+    assert used[:20].count(2) == 2, "the first probe of both cores is a clear loss after two pairs"
+    assert tuner.best == 1 and tuner.switches == 0
+
+    quiet = ThreadTuner([1, 2], lambda n: None, load=_ScriptedLoad([0.1]))
+    assert _drive(quiet, {2: 1.0, 1: 1.6}, 60)[0] == 2 and quiet.switches == 0
+
+
+def test_a_competitor_that_arrives_late_brings_the_next_probe_forward():
+    """Quiet for 600 steps (the gap between probes has grown to 128), then a competitor: the load reading
+    sees it within LOAD_EVERY steps and the tuner probes at once, instead of up to 128 steps later."""
+    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+
+    load = _ScriptedLoad([0.0])
+    tuner = ThreadTuner([1, 2], lambda n: None, max_gap=128, load=load)
+    _drive(tuner, {2: 1.0, 1: 1.6}, 600)
+    assert tuner.best == 2 and tuner.gap == 128
+    load.readings = [1.0]  # the competitor starts
+    _drive(tuner, {2: 3.0, 1: 1.0}, 60)
+    assert tuner.best == 1 and tuner.history[-1][0] <= 600 + LOAD_EVERY + 4, "read, probed (two pairs), switched"
+
+    without = ThreadTuner([1, 2], lambda n: None, max_gap=128)  # the same, reading no load
+    _drive(without, {2: 1.0, 1: 1.6}, 600)
+    _drive(without, {2: 3.0, 1: 1.0}, 60)
+    assert without.best == 2, "probes alone would not have looked yet"

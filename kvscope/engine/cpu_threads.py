@@ -22,6 +22,11 @@ out the runner keeps measuring:
   at most, and a competitor that arrives later is still noticed. The first probe comes a few steps
   in, so a machine that is already shared is found out at once.
 
+Other processes' load, from the kernel's accounting (cpu_load.py), says where to start (every core,
+or fewer where other processes keep cores busy while the model loads) and when to look again: a
+change of half a core or more since the count was settled brings the next probe forward, so a
+competitor that arrives late is met within a few dozen steps rather than at the next doubled gap.
+
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
 imported unless the user set it), so a waiting thread does not take a core from the competitor.
 """
@@ -37,6 +42,8 @@ from typing import Callable, Iterator
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 CLEAR_RATIO = 1.5  # after two pairs, a candidate this much slower (or faster) ends its probe: the case is clear
 AFTER_SWITCH = 4  # after a switch the next probe waits this many first gaps
+LOAD_EVERY = 16  # steps between readings of other processes' load (cpu_load.py)
+LOAD_CHANGE = 0.5  # cores: a change of other processes' load this large brings the next probe forward
 
 
 def prefer_passive_wait() -> None:
@@ -49,8 +56,12 @@ class ThreadTuner:
     """Chooses among candidate thread counts from (seconds, work) of each step; set_threads applies one."""
 
     def __init__(self, candidates: list[int], set_threads: Callable[[int], None], *, probe_pairs: int = 4,
-                 first_gap: int = 8, max_gap: int = 1024, switch_margin: float = 1.05, warmup_steps: int = 2) -> None:
+                 first_gap: int = 8, max_gap: int = 1024, switch_margin: float = 1.05, warmup_steps: int = 2,
+                 load=None) -> None:
+        """load: an OtherLoad (cpu_load.py), or None: where to start, and when the machine changed."""
         self.candidates = sorted(set(candidates), reverse=True)  # most threads first: today's default
+        self.load = load
+        self._load_at_choice: float | None = None  # other processes' cores when the count was last settled
         self.set_threads = set_threads
         self.probe_pairs = probe_pairs
         self.first_gap = first_gap
@@ -82,10 +93,37 @@ class ThreadTuner:
             self.set_threads(n)
             self.current = n
 
+    @property
+    def _starting(self) -> bool:
+        """No reading of other processes' load yet, and the first probe not begun: the starting count is open
+        (read every step until a window is long enough: a model loaded from a cache leaves none)."""
+        return self._load_at_choice is None and self.switches == 0 and self._step < self.first_gap
+
+    def _read_load(self) -> None:
+        """Other processes' load: its first reading picks the starting count; later, a change of
+        LOAD_CHANGE cores or more since the count was settled brings the next probe forward."""
+        busy = self.load.busy_cores()
+        if busy is None:
+            return
+        if self._starting:  # the window since the engine started: the model's load, or its first steps
+            free = max(1, self.candidates[0] - round(busy))
+            start = max((c for c in self.candidates if c <= free), default=self.candidates[-1])
+            if start != self.best:
+                self.best = start
+                self.history.append((self._step, start))
+                self._use(start)
+        elif self._load_at_choice is not None and abs(busy - self._load_at_choice) >= LOAD_CHANGE:
+            self._since_probe = self.gap = self.first_gap  # the machine changed: look again now
+        elif self._load_at_choice is not None:
+            return
+        self._load_at_choice = busy
+
     def before_step(self) -> None:
         """Pick this step's thread count."""
         if not self.active:
             return
+        if self.load is not None and self._probing is None and (self._starting or self._step % LOAD_EVERY == 0):
+            self._read_load()
         if self._probing is None and self._since_probe >= self.gap:
             self._probe = [c for c in self.candidates if c != self.best]
             self._ratios = {}
@@ -130,6 +168,7 @@ class ThreadTuner:
         winner, ratio = min(self._ratios.items(), key=lambda kv: kv[1])
         self._probing = None
         self._since_probe = 0
+        self._load_at_choice = None  # the next reading of other processes' load is the settled count's
         if ratio * self.switch_margin < 1.0:
             self.best = winner
             self.gap = self.first_gap * AFTER_SWITCH  # the count it left just lost: not asked again at once

@@ -13,6 +13,7 @@ from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
 from kvscope.engine.cpu_dtype import auto_cpu_dtype
 from kvscope.engine.cpu_linear import pack_linears
+from kvscope.engine.cpu_load import OtherLoad
 from kvscope.engine.cpu_malloc import keep_freed_memory
 from kvscope.engine.cpu_threads import StepTuner, ThreadTuner, cost_model_price, thread_candidates
 from kvscope.engine.errors import KvscopeError
@@ -75,6 +76,7 @@ class ModelBackend:
         self.device = str(self.torch_device)
         self.dtype = str(self.torch_dtype).removeprefix("torch.")
         self.on_cuda = self.torch_device.type == "cuda"
+        other_load = OtherLoad()  # other processes' CPU while the model loads: where the thread tuner starts
         self.model: LoadedModel = load_model(config.model, self.torch_dtype, self.device, seed=config.seed)
         if not self.on_cuda:  # oneDNN-packed weights and kept memory: see cpu_linear.py, cpu_malloc.py
             self.malloc_note = keep_freed_memory()
@@ -87,7 +89,8 @@ class ModelBackend:
             self.cpu_threads = config.cpu_threads or default_cpu_threads()
             torch.set_num_threads(self.cpu_threads)
             if config.cpu_threads is None and len(thread_candidates(self.cpu_threads)) > 1:
-                self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads)
+                self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads,
+                                                load=other_load)
 
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model
