@@ -62,6 +62,7 @@ class ThreadTuner:
         self.candidates = sorted(set(candidates), reverse=True)  # most threads first: today's default
         self.load = load
         self._load_at_choice: float | None = None  # other processes' cores when the count was last settled
+        self._last_load: float | None = None  # the latest reading
         self.set_threads = set_threads
         self.probe_pairs = probe_pairs
         self.first_gap = first_gap
@@ -105,6 +106,7 @@ class ThreadTuner:
         busy = self.load.busy_cores()
         if busy is None:
             return
+        self._last_load = busy
         if self._starting:  # the window since the engine started: the model's load, or its first steps
             free = max(1, self.candidates[0] - round(busy))
             start = max((c for c in self.candidates if c <= free), default=self.candidates[-1])
@@ -155,7 +157,9 @@ class ThreadTuner:
         self._on_candidate = False
         self._pairs += 1
         ratio = (self._cand_s / self._cand_w) / (self._best_s / self._best_w)
-        clear = self._pairs >= 2 and not 1 / CLEAR_RATIO < ratio < CLEAR_RATIO
+        # a clear loser stops at once; a clear winner only where a competitor is seen, or cannot be looked for
+        # (on a quiet machine two pairs of ~10 ms steps can look 1.5x apart by chance)
+        clear = self._pairs >= 2 and (ratio >= CLEAR_RATIO or (ratio <= 1 / CLEAR_RATIO and self._competitor_seen))
         if self._pairs < self.probe_pairs and not clear:  # a clear case is not run longer
             return
         self._ratios[self._probing] = ratio
@@ -174,9 +178,18 @@ class ThreadTuner:
             self.gap = self.first_gap * AFTER_SWITCH  # the count it left just lost: not asked again at once
             self.switches += 1
             self.history.append((self._step, winner))
+        elif self._competitor_seen and self.best < self.candidates[0]:
+            # fewer threads just beat every core beside a competitor: no use asking again while the load stays
+            # as it is; a change of LOAD_CHANGE cores brings the next probe forward (_read_load)
+            self.gap = self.max_gap
         else:
             self.gap = min(self.gap * 2, self.max_gap)
         self._use(self.best)
+
+    @property
+    def _competitor_seen(self) -> bool:
+        """Other processes keep half a core or more busy (or there is no reading: the probes decide alone)."""
+        return self._last_load is None or self._last_load >= LOAD_CHANGE
 
 
 def thread_candidates(cores: int) -> list[int]:
