@@ -58,6 +58,7 @@ QUICK = [
     (["record", "x.kvtrace", "--connect", "tcp://127.0.0.1:99999"], "bad port"),
     (["record", "/no/such/dir/x.kvtrace"], "cannot write"),
     (["record", "x.kvtrace", "--duration", "inf"], "not a finite number"),
+    (["serve", "--http", "127.0.0.1:0", "--served-model-name", "tiny", " "], "a model name cannot be empty"),
     (["tui", "--connect", "udp://127.0.0.1:1"], "unsupported transport"),
     (["demo", "--sim", "--gpu", "bogus"], "invalid choice: 'bogus'"),
     (["replay", "/no/such/file.kvtrace"], "cannot read /no/such/file.kvtrace"),

@@ -345,3 +345,48 @@ def test_synthetic_traffic_runs_beside_http_with_forever():
         assert out.usage.completion_tokens == 4
         sources = Counter(r.source for r in live.recorder.of_type("request"))
         assert sources[SOURCE_HTTP] == 1 and sources[""] >= 3
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "SLOW-TEXT and more", "max_tokens": 3}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "SLOW-TEXT"}],
+                              "max_tokens": 3}),
+    ("/tokenize", {"model": "tiny", "prompt": "SLOW-TEXT"}),
+])
+def test_a_prompt_that_takes_long_to_tokenize_stalls_no_other_request(live, monkeypatch, route, body):
+    """Tokenizing (and templating) a request's text takes as long as the text: up to a 4 MiB body. It runs on
+    the HTTP front end's own worker thread, so while one prompt is being tokenized the engine keeps stepping
+    and the event loop keeps answering. Here the tokenizer blocks on that prompt until the test lets it go;
+    a request given as token ids and /health must be answered meanwhile (when tokenizing ran in the engine
+    loop, the engine stood still until then)."""
+    import threading
+
+    from _helpers import DEADLINE_S
+
+    tok = live.engine.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    real_encode = tok.encode
+
+    def encode(text, *args, **kwargs):
+        if "SLOW-TEXT" in text:
+            entered.set()
+            release.wait(DEADLINE_S)
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", encode)
+    slow: dict = {}
+    thread = threading.Thread(target=lambda: slow.update(r=httpx.post(live.base_url + route, json=body,
+                                                                      timeout=DEADLINE_S)))
+    thread.start()
+    try:
+        assert entered.wait(DEADLINE_S), "the slow prompt reached the tokenizer"
+        with httpx.Client(base_url=live.base_url, timeout=DEADLINE_S) as c:
+            assert c.get("/health").status_code == 200
+            other = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
+                                                    "ignore_eos": True})
+            assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 4
+            assert not slow, "the slow request is still being tokenized"
+    finally:
+        release.set()
+        thread.join(DEADLINE_S)
+    assert slow["r"].status_code == 200, slow["r"].text

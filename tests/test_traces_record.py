@@ -88,3 +88,16 @@ def test_record_without_engine_writes_nothing(tmp_path):
     assert record(addr, tmp_path / "x", stop=stop) == 0
     assert record(addr, tmp_path / "x", stop_after_s=0.1) == 0
     assert not (tmp_path / "x").exists()
+
+
+def test_the_record_command_says_when_nothing_arrived(tmp_path, capsys):
+    """As `record --vllm` does: one line and exit 1, rather than exit 0 and no file."""
+    from kvscope.cli.main import main
+
+    probe = ZmqPublisher("tcp://127.0.0.1:0")
+    addr = probe.addr
+    probe.close(0)
+    out = tmp_path / "x.kvtrace"
+    assert main(["record", str(out), "--connect", addr, "--control", "", "--duration", "0.3"]) == 1
+    assert capsys.readouterr().err == f"kvscope record: nothing arrived from {addr}; no trace written\n"
+    assert not out.exists()

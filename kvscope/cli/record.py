@@ -43,8 +43,11 @@ class Record(Command):
         check_address(connect, bind=False)
         if control:
             check_address(control, bind=False)
-        open_socket("connect to", connect,
-                    lambda: record(connect, args.file, stop_after_s=args.duration, control_addr=control))
+        recorded = open_socket("connect to", connect,
+                               lambda: record(connect, args.file, stop_after_s=args.duration, control_addr=control))
+        if not recorded:  # as for a vLLM: say so, rather than exit 0 with no file
+            print(f"kvscope record: nothing arrived from {connect}; no trace written", file=sys.stderr)
+            return 1
         return 0
 
 

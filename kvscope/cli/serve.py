@@ -169,6 +169,9 @@ def _front_end_check(args):
 
     if args.http:
         parse_host_port(args.http, args.allow_remote)
+    for name in args.served_model_name or ():
+        if not name.strip():  # a client's "model": "" would then be served, and metrics labelled with nothing
+            raise UsageError("--served-model-name: a model name cannot be empty")
     # the names clients ask for: the flag, else the model the engine resolved (its default included)
     return lambda engine: FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
                                    served_model_name=args.served_model_name or engine.config.model,

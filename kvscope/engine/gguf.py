@@ -206,6 +206,18 @@ def check_servable(path: str) -> GgufHeader:
 _last: tuple[tuple, tuple] | None = None  # (key, (model, tokenizer)) of the last file loaded
 
 
+def _dequantize_kwargs() -> dict:
+    """Ask transformers to dequantize every weight at load. Its newer GGUF loader would otherwise keep the
+    blocks packed for matmul kernels it fetches from a hub (the `kernels` package; kvscope fetches nothing
+    at run time, and computes in float), and without that package warns, for any dtype but float32, that
+    the packed weights cast every matmul, and then dequantizes after all."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers: dequantizing is all its GGUF loader does
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def load_gguf(path: str, dtype: torch.dtype, device: str):
     """(model, transformers tokenizer or None, header) from a GGUF file; nothing is fetched from a hub."""
     global _last
@@ -219,7 +231,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
 
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True,
+                                                     **_dequantize_kwargs())
     except Exception as e:  # a corrupt tensor or an unknown layout surface as several exception types
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise KvscopeError(f"cannot load GGUF {path!r}: {first_line}") from None

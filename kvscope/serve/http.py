@@ -5,6 +5,12 @@ the bridge's queue, stamped with the time the server received it (on the engine'
 clock, so TTFT and queue time start there); the engine thread answers through the
 job's deliver callback into an asyncio.Queue. A client that disconnects gets its
 engine request aborted. docs/HTTP.md describes the endpoints, parameters and errors.
+
+Work that takes as long as a request's text (rendering the chat template, tokenizing a
+prompt of up to 4 MiB) runs on one worker thread of its own, so the job reaches the bridge
+as token ids: on the event loop it would stall every other connection, and in the engine
+loop every running request's next token (vLLM tokenizes in its API server for the same
+reason).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -96,6 +103,7 @@ class HttpFrontEnd:
     def __init__(self, bridge: EngineBridge, info: ApiInfo) -> None:
         self.bridge = bridge
         self.info = info
+        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-text")
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -157,21 +165,34 @@ class HttpFrontEnd:
             raise oa.ApiError(400, "this model has no tokenizer: send token ids")
         return self.info.tokenizer
 
+    async def _off_loop(self, fn, *args):
+        """fn(*args) on the text worker thread; its ApiError comes back here."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
+
+    def _encode(self, text: str, special: bool, param: str = "prompt") -> list[int]:
+        tok = self._tokenizer()
+        try:
+            return tok.encode(text, add_special_tokens=True) if special else tok.encode(text)
+        except Exception as e:  # a tokenizer's own refusal of some text: the client's input
+            raise oa.ApiError(400, f"cannot tokenize the {param}: {e}", param=param) from None
+
+    def _tokenize_reply(self, req) -> oa.TokenizeResponse:
+        tok = self._tokenizer()
+        if req.messages is not None:
+            ids = self._encode(self._chat_prompt(oa.chat_messages(req), req), bool(req.add_special_tokens), "messages")
+        else:
+            ids = self._encode(req.prompt, req.add_special_tokens is not False)
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else oa.UNSET
+        return oa.TokenizeResponse(len(ids), self.info.max_model_len, ids, strs)
+
     async def tokenize(self, request: Request) -> Response:
         try:
             req = await self._body(request, oa.TokenizeRequest)
             self._model_name(req.model)
-            tok = self._tokenizer()
+            self._tokenizer()
             if (req.prompt is None) == (req.messages is None):
                 raise oa.ApiError(400, "give exactly one of prompt and messages", param="prompt")
-            if req.messages is not None:
-                text = self._chat_prompt(oa.chat_messages(req), req)
-                special = bool(req.add_special_tokens)
-            else:
-                text, special = req.prompt, req.add_special_tokens is not False
-            ids = tok.encode(text, add_special_tokens=True) if special else tok.encode(text)
-            strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else oa.UNSET
-            return _json(oa.TokenizeResponse(len(ids), self.info.max_model_len, ids, strs))
+            return _json(await self._off_loop(self._tokenize_reply, req))
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
@@ -219,12 +240,14 @@ class HttpFrontEnd:
             params.n = oa.completion_best_of(req)
             if params.n > req.n and params.logprobs is None:
                 params.logprobs = 0  # the sampled tokens' logprobs rank the best_of sequences
+            special = req.add_special_tokens is not False
+            if isinstance(prompt, str) and self.info.tokenizer is not None:
+                prompt = await self._off_loop(self._encode, prompt, special)
         except oa.ApiError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=400)
-        job = Job(prompt, params, None, -req.priority, arrival=received,
-                  add_special_tokens=req.add_special_tokens is not False)
+        job = Job(prompt, params, None, -req.priority, arrival=received, add_special_tokens=special)
         return await self._run(request, job, Reply(req, name, chat=False, tokenizer=self.info.tokenizer,
                                                    sequences=params.n))
 
@@ -238,7 +261,7 @@ class HttpFrontEnd:
             given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req), max_tokens_param=given)
-            prompt = self._chat_prompt(messages, req)
+            prompt = await self._off_loop(self._chat_ids, messages, req)
             echo = oa.chat_echo(req, messages)
         except oa.ApiError as e:
             return _error(e)
@@ -248,6 +271,11 @@ class HttpFrontEnd:
                   add_special_tokens=bool(req.add_special_tokens))
         return await self._run(request, job, Reply(req, name, chat=True, tokenizer=self.info.tokenizer,
                                                    sequences=params.n, echo=echo))
+
+    def _chat_ids(self, messages: list[dict[str, str]], req) -> str | list[int]:
+        """The chat prompt through the template, as token ids where the model has a tokenizer."""
+        text = self._chat_prompt(messages, req)
+        return self._encode(text, bool(req.add_special_tokens), "messages") if self.info.tokenizer else text
 
     def _chat_prompt(self, messages: list[dict[str, str]], req) -> str:
         render = self.info.chat_template
