@@ -5,8 +5,8 @@ costs steps on the slower one. This tells it where to start and when to look aga
 machine's busy time over a window, less this process's own CPU time over the same window, is
 what everyone else used. A competing CPU-bound process reads as about one core.
 
-Niced time is left out: a niced process yields to the engine's threads (a nice 19 busy loop
-cost the tiny model's 2-thread bench 7% here, a plain one 68%), and where it does not
+Niced time is left out: a niced process yields to the engine's threads (beside a nice 19 busy
+loop the tiny model's 2-thread bench lost 7-9% here, beside a plain one 71-75%), and where it does not
 (scheduler autogroups) the tuner's probes still find it. Where /proc/stat is missing (not
 Linux) there is no reading, and the tuner probes as before.
 """
