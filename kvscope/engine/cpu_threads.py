@@ -16,16 +16,18 @@ out the runner keeps measuring:
   descheduled for a whole time slice (a tiny-model step of 15 ms took 108 ms), which a median
   would drop as an outlier, and which is the whole loss;
 - a candidate clearly faster (by `switch_margin`) takes over, and the next probe (of the count it
-  replaced) waits a few gaps; one that loses doubles the gap, up to `max_gap`. After two pairs a
-  probe already decides a clear case (`CLEAR_RATIO` either way), so a collapse is left within a
-  dozen steps and a clear loser costs two steps; on a steady machine probing costs a few percent
-  at most, and a competitor that arrives later is still noticed. The first probe comes a few steps
-  in, so a machine that is already shared is found out at once.
+  replaced) waits a few gaps; one that loses doubles the gap, up to `max_gap`. A clear loser
+  (`CLEAR_RATIO`) is decided after two pairs, and so is a clear winner where a competitor is seen
+  (below), so a collapse is left within a dozen steps and a clear loser costs two steps; on a
+  steady machine probing costs a few percent at most. The first probe comes a few steps in, so a
+  machine that is already shared is found out at once.
 
 Other processes' load, from the kernel's accounting (cpu_load.py), says where to start (every core,
 or fewer where other processes keep cores busy while the model loads) and when to look again: a
 change of half a core or more since the count was settled brings the next probe forward, so a
 competitor that arrives late is met within a few dozen steps rather than at the next doubled gap.
+Beside a competitor, once fewer threads have won, every core is not asked again until the load
+changes; on a quiet machine two lucky pairs decide nothing (a clear win needs the competitor).
 
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
 imported unless the user set it), so a waiting thread does not take a core from the competitor.
