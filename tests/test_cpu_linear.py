@@ -83,3 +83,13 @@ def test_kept_memory_is_set_once_and_leaves_a_users_own_tunables_alone(monkeypat
         assert note == "malloc: freed memory kept for reuse (mmap and trim thresholds 1 GiB)"
     else:
         assert note.startswith("malloc: left as it is")
+
+
+def test_a_packed_model_still_counts_its_weights():
+    """A second engine on a cached, already packed model reports the same weight memory as the first."""
+    from kvscope.engine.gguf import weight_bytes
+
+    model = build_builtin("tiny", dtype=torch.bfloat16)
+    before = weight_bytes(model)
+    done = pack_linears(model)
+    assert weight_bytes(model) == before + done.extra_bytes

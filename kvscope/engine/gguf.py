@@ -246,11 +246,16 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the model's parameters and buffers take (tied weights counted once)."""
+    """Bytes the model's parameters and buffers take (tied weights counted once), and the weights of linear
+    layers already packed for oneDNN (cpu_linear.py: a model a first engine packed, from the loader's cache)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, torch.Tensor):  # opaque: no data_ptr, but its size is the weight's
+            total += packed.numel() * packed.element_size()
     return total
