@@ -248,6 +248,8 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's parameters and buffers take (tied weights counted once), and the weights of linear
     layers already packed for oneDNN (cpu_linear.py: a model a first engine packed, from the loader's cache)."""
+    import torch
+
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen:
