@@ -7,6 +7,7 @@ import sys
 
 from kvscope.cli.command import Command
 from kvscope.cli.common import UsageError, check_address, check_output_path, check_url, float_type, open_socket
+from kvscope.cli.stop_signals import StopSignals
 
 
 class Record(Command):
@@ -43,8 +44,9 @@ class Record(Command):
         check_address(connect, bind=False)
         if control:
             check_address(control, bind=False)
-        recorded = open_socket("connect to", connect,
-                               lambda: record(connect, args.file, stop_after_s=args.duration, control_addr=control))
+        with StopSignals() as signals:  # a Ctrl-C Python swallows still ends the recording
+            recorded = open_socket("connect to", connect, lambda: record(
+                connect, args.file, stop_after_s=args.duration, control_addr=control, stop=signals.stop))
         if not recorded:  # as for a vLLM: say so, rather than exit 0 with no file
             print(f"kvscope record: nothing arrived from {connect}; no trace written", file=sys.stderr)
             return 1
@@ -63,8 +65,9 @@ def _record_vllm(args: argparse.Namespace) -> int:
     for flag, addr in (("--kv-events", args.kv_events), ("--kv-replay", args.kv_replay)):
         if addr and not addr.startswith(("tcp://", "ipc://")):
             raise UsageError(f"{flag} {addr}: expected tcp://HOST:PORT or ipc://PATH")
-    rec = record_vllm(args.file, args.vllm, args.kv_events, args.kv_replay, interval=args.interval,
-                      duration=args.duration)
+    with StopSignals() as signals:
+        rec = record_vllm(args.file, args.vllm, args.kv_events, args.kv_replay, interval=args.interval,
+                          duration=args.duration, stop=signals.stop)
     if rec.writer is None:
         print(f"kvscope record: nothing arrived from {args.vllm or args.kv_events}; no trace written",
               file=sys.stderr)

@@ -8,6 +8,7 @@ import sys
 from kvscope.cli.command import Command
 from kvscope.cli.common import (UsageError, check_address, check_output_path, engine_args, engine_config,
                                 float_type, int_type, open_socket, progress_bar, workload_args, write_json)
+from kvscope.cli.stop_signals import StopSignals
 
 
 class Serve(Command):
@@ -126,26 +127,29 @@ def _serve(args, config, publisher, control, front) -> int:
                            max_waiting=args.max_waiting)
     progress = progress_bar(not args.no_progress, total=_total_requests(options), desc=f"{engine.config.mode}")
     reason = "drained"
-    original_handlers = _stop_on_sigterm()
     server = Server(engine, options, control=control, on_progress=progress.update,
                     inbox=front.bridge if front else None)
-    try:
-        if front is not None:
-            front.start()
-        summary = server.run(items=() if http_only else None)
-    except KeyboardInterrupt:
-        reason = "interrupted"
-        summary = server.summary()
-    finally:
-        _ignore_stop_signals()  # a second SIGTERM or Ctrl-C must not cut the trace's index short
-        progress.close()
-        if front is not None:
-            front.close()
-        engine.close(reason)
-        for sink in sinks:
-            if sink is not publisher:  # run() closes the publisher, which it opened
-                sink.close()
-        _restore_signals(original_handlers)
+    # Ctrl-C and SIGTERM end serve alike (the summary prints, the trace gets its index); the loop also
+    # checks the flag, so a stop whose KeyboardInterrupt Python swallowed still ends the run
+    signals = StopSignals(server.stop)
+    with signals:
+        try:
+            if front is not None:
+                front.start()
+            summary = server.run(items=() if http_only else None)
+        except KeyboardInterrupt:
+            summary = server.summary()
+        finally:
+            signals.ignore()  # a second SIGTERM or Ctrl-C must not cut the trace's index short
+            if signals.requested:
+                reason = "interrupted"
+            progress.close()
+            if front is not None:
+                front.close()
+            engine.close(reason)
+            for sink in sinks:
+                if sink is not publisher:  # run() closes the publisher, which it opened
+                    sink.close()
     print(summary_table(summary))
     if args.json:
         write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": summary.to_dict()})
@@ -177,32 +181,3 @@ def _front_end_check(args):
                                    served_model_name=args.served_model_name or engine.config.model,
                                    allow_remote=args.allow_remote, max_waiting=args.max_waiting,
                                    api_key=args.api_key)
-
-
-def _stop_on_sigterm() -> dict:
-    """SIGTERM ends serve like Ctrl-C does: the summary prints and the trace gets its index.
-
-    Returns the handlers it replaced, for _restore_signals.
-    """
-    import signal
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    original = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    signal.signal(signal.SIGTERM, interrupt)
-    return original
-
-
-def _ignore_stop_signals() -> None:
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _restore_signals(handlers: dict) -> None:
-    import signal
-
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)

@@ -8,6 +8,7 @@ requests, snapshot requests in one poll share one snapshot, and injected request
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -41,7 +42,8 @@ class Server:
         self.on_progress = on_progress
         self.metrics = MetricsCollector()
         self.paused = False
-        self.stopping = False
+        self.stopping = False  # the control socket's stop
+        self.stop = threading.Event()  # Ctrl-C or SIGTERM (kvscope.cli.stop_signals), checked every step
         self.spec = wl.load_spec(options.workload)
         self.vocab = engine.loaded.vocab_size
         self.reserved = reserved_top_ids(self.vocab, engine.loaded.eos_token_ids)
@@ -160,7 +162,7 @@ class Server:
         source = iter(items) if items is not None else self.requests()
         upcoming = next(source, None)
         start = self.engine.now()
-        while not self.stopping:
+        while not (self.stopping or self.stop.is_set()):
             now = self.engine.now()
             if self.control is not None:
                 self._handle_control(now - start)
