@@ -57,8 +57,9 @@ def bench_items(config: EngineConfig, options: BenchOptions) -> tuple[list, str]
 
 def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     check_row_names(options)
-    if "llama-cpp" in options.peers:
-        peers.check_llama_cpp(config)
+    for peer in options.peers:
+        if peer in peers.PEER_CHECKS:
+            peers.PEER_CHECKS[peer](config)
     items, device = bench_items(config, options)
     rows = []
     ideal: roofline.Roofline | None = None  # once the machine is measured (after the first row)

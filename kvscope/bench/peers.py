@@ -126,9 +126,26 @@ def check_llama_cpp(config: EngineConfig) -> None:
     gguf_path(config)
 
 
+def llama_server(config: EngineConfig, items) -> Row:
+    """llama.cpp's server on the same GGUF file, every request at once over its parallel slots
+    (kvscope/bench/llama_server_peer.py), same threads."""
+    from kvscope.bench.llama_server_peer import llama_server_row
+
+    return llama_server_row(config, items, config.cpu_threads or default_cpu_threads())
+
+
+def check_llama_server(config: EngineConfig) -> None:
+    from kvscope.bench.llama_server_peer import check_available
+
+    check_available(config)
+
+
 PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch,
-                                                         "llama-cpp": llama_cpp}
-DEFAULT_PEERS = ("hf-static", "hf-generate-batch")  # llama-cpp is an optional extra
+                                                         "llama-cpp": llama_cpp, "llama-server": llama_server}
+DEFAULT_PEERS = ("hf-static", "hf-generate-batch")  # the llama.cpp peers are optional extras
+# Checked before any row runs, so a missing extra costs seconds, not the minutes of the rows before it.
+PEER_CHECKS: dict[str, Callable[[EngineConfig], None]] = {"llama-cpp": check_llama_cpp,
+                                                          "llama-server": check_llama_server}
 
 
 def peer_step_shapes(peer: str, items, config: EngineConfig):

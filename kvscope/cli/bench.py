@@ -23,7 +23,8 @@ class Bench(Command):
                        help=f"comma list of {', '.join(modes)} (default: all)")
         p.add_argument("--peers", type=comma_list(), default=["hf-static", "hf-generate-batch"],
                        help="comma list of hf-static, hf-generate-batch, llama-cpp (llama-cpp-python on the "
-                       "same --model PATH.gguf); empty for none (default: the first two)")
+                       "same --model PATH.gguf, one request at a time), llama-server (llama.cpp's server, "
+                       "concurrent slots); empty for none (default: the first two)")
         p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
         p.add_argument("--roofline", action="store_true", help="measure this machine's GEMM FLOP/s and bandwidth "
                        "and give each row its roofline %% (README, Real size on a CPU)")

@@ -1,0 +1,172 @@
+"""llama.cpp's own server as a peer (`kvscope bench --peers llama-server`): the same requests, all at once,
+to `llama-server` with one parallel slot per request kvscope may run together, on the same GGUF file and
+thread count. This is how llama.cpp serves concurrent users (and how Ollama does, built on it): continuous
+batching across slots. The `llama-cpp` peer (llama_peer.py) is its Python API, one request at a time.
+
+The binary is not a Python package. Build it from llama.cpp's source (llama-cpp-python's sdist carries it
+under vendor/llama.cpp) and put it on PATH or name it in KVSCOPE_LLAMA_SERVER; see INSTALL.
+
+Each request goes to /completion as token ids, streamed, greedy, EOS ignored, with no prompt cache: every
+request computes its whole prompt and runs to its max_tokens, as kvscope's rows and the other peers do.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvscope.bench.harness import Row
+from kvscope.bench.llama_peer import gguf_path
+from kvscope.engine.config import EngineConfig
+from kvscope.errors import KvscopeError
+
+NAME = "llama-server"
+BINARY_ENV = "KVSCOPE_LLAMA_SERVER"
+INSTALL = (f"build llama.cpp's llama-server (e.g. from llama-cpp-python's sdist, vendor/llama.cpp: cmake -B build "
+           f"-DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF && cmake --build build --target llama-server) and put it on "
+           f"PATH or set {BINARY_ENV}=/path/to/llama-server")
+START_TIMEOUT_S = 300.0  # loading a GGUF on a busy 2-core machine
+REQUEST_TIMEOUT_S = 3600.0  # per socket read: a slot may wait behind every other request's prompt
+MAX_LINE = 1 << 20  # one streamed event; ours are a few hundred bytes
+
+
+def server_binary() -> str:
+    """The llama-server to run: KVSCOPE_LLAMA_SERVER, else llama-server on PATH."""
+    named = os.environ.get(BINARY_ENV)
+    if named:
+        if not (os.path.isfile(named) and os.access(named, os.X_OK)):
+            raise KvscopeError(f"peer {NAME}: {BINARY_ENV}={named} is not an executable file")
+        return named
+    found = shutil.which("llama-server")
+    if found is None:
+        raise KvscopeError(f"peer {NAME} needs llama.cpp's server binary: {INSTALL}")
+    return found
+
+
+def check_available(config: EngineConfig) -> None:
+    """Before minutes are spent on the other rows."""
+    server_binary()
+    gguf_path(config)
+
+
+def llama_server_row(config: EngineConfig, items, threads: int) -> Row:
+    path = gguf_path(config)
+    slots = max(1, min(config.max_num_seqs, len(items)))
+    ctx_per_slot = max(len(it.prompt) + it.max_tokens for it in items) + 8
+    with _Server(server_binary(), path, threads, slots, ctx_per_slot) as server:
+        server.complete([1, 2, 3], 2)  # warm-up, as kvscope's rows get one
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+            streams = list(pool.map(lambda it: server.complete(it.prompt, it.max_tokens), items))
+    ttft = [times[0] - start for times in streams if times]
+    itl = [b - a for times in streams for a, b in zip(times, times[1:])]
+    tokens = sum(len(times) for times in streams)
+    span = max((times[-1] for times in streams if times), default=start) - start
+    return Row.from_samples(NAME, ttft, itl, tokens, span, threads=threads, slots=slots, gguf=os.path.basename(path))
+
+
+class _Server:
+    """One llama-server process on a free loopback port, stopped on exit whatever happened."""
+
+    def __init__(self, binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> None:
+        self.port = _free_port()
+        self.command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
+                        "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                        "-cram", "0",  # no host-side prompt cache: every request computes its prompt
+                        "--no-webui"]
+        self.log = tempfile.TemporaryFile()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "_Server":
+        try:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
+                                         stderr=subprocess.STDOUT)
+        except OSError as e:
+            raise KvscopeError(f"peer {NAME}: cannot run {self.command[0]}: {e.strerror}") from None
+        self._wait_healthy()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise KvscopeError(f"peer {NAME} exited with status {self.proc.returncode} at start: "
+                                   f"{self._last_log_line()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet, or still loading
+            finally:
+                conn.close()
+            time.sleep(0.2)
+        raise KvscopeError(f"peer {NAME} was not ready within {START_TIMEOUT_S:.0f} s: {self._last_log_line()}")
+
+    def _last_log_line(self) -> str:
+        self.log.seek(0)
+        lines = [ln.strip() for ln in self.log.read()[-4096:].decode("utf-8", "replace").splitlines() if ln.strip()]
+        return lines[-1] if lines else "(no output)"
+
+    def complete(self, prompt: list[int], max_tokens: int) -> list[float]:
+        """One request, streamed: the time each token arrived (tokens sent together share a time)."""
+        body = json.dumps({"prompt": list(prompt), "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                           "ignore_eos": True, "cache_prompt": False, "return_tokens": True, "stream": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        try:
+            conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise KvscopeError(f"peer {NAME} answered {response.status}: "
+                                   f"{response.read(300).decode('utf-8', 'replace').strip()}")
+            return _token_times(response)
+        except OSError as e:
+            raise KvscopeError(f"peer {NAME}: request failed: {e}") from None
+        finally:
+            conn.close()
+
+
+def _token_times(response) -> list[float]:
+    """Server-sent events, `data: {...}` per line, each carrying the tokens it adds, the last one `stop`."""
+    times: list[float] = []
+    while True:
+        line = response.readline(MAX_LINE)
+        if not line:
+            raise KvscopeError(f"peer {NAME}: the stream ended before its last event")
+        if not line.startswith(b"data: "):
+            continue
+        now = time.perf_counter()
+        try:
+            event = json.loads(line[6:])
+        except ValueError:
+            raise KvscopeError(f"peer {NAME}: a streamed event was not JSON: {line[:80]!r}") from None
+        if not isinstance(event, dict):
+            raise KvscopeError(f"peer {NAME}: a streamed event was not an object: {line[:80]!r}")
+        tokens = event.get("tokens")
+        times.extend([now] * (len(tokens) if isinstance(tokens, list) else 0))
+        if event.get("stop"):
+            return times
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,86 @@
+"""A stand-in llama-server for the `--peers llama-server` tests, run as a process the way the real binary is.
+
+It takes the flags kvscope passes, answers /health (503 "Loading model" first, as the real one does while it
+loads) and streams /completion as server-sent events: `data: {...}` lines with the tokens each adds, the
+last one with `"stop": true`. Every other event carries two tokens, as the real server does when it holds
+back an incomplete UTF-8 character. It appends its argv and every request body to FAKE_LLAMA_LOG (JSON
+lines), and with FAKE_LLAMA_FAIL set it prints that text and exits 1, as a server that cannot load does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def _log(record: dict) -> None:
+    path = os.environ.get("FAKE_LLAMA_LOG")
+    if path:
+        with _LOCK, open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+_LOCK = threading.Lock()
+_HEALTH_CALLS = [0]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        _HEALTH_CALLS[0] += 1
+        loading = _HEALTH_CALLS[0] == 1
+        body = b'{"error":{"code":503,"message":"Loading model"}}' if loading else b'{"status":"ok"}'
+        self.send_response(503 if loading else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _log({"path": self.path, "body": request})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        n, sent, first = request["n_predict"], 0, request["prompt"][-1]
+        while sent < n:
+            tokens = [first + sent + i for i in range(min(2 if sent % 3 == 1 else 1, n - sent))]
+            sent += len(tokens)
+            self._event({"content": "x" * len(tokens), "tokens": tokens, "stop": False})
+        self._event({"content": "", "tokens": [], "stop": True, "timings": {"predicted_n": n}})
+        self.close_connection = True
+
+    def _event(self, event: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("-m", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    for flag in ("-t", "-tb", "-np", "-c", "-cram"):
+        p.add_argument(flag, type=int, required=True)
+    p.add_argument("--no-webui", action="store_true")
+    args = p.parse_args()
+    if os.environ.get("FAKE_LLAMA_FAIL"):
+        print("main: loading model", flush=True)
+        print(os.environ["FAKE_LLAMA_FAIL"], flush=True)
+        return 1
+    _log({"argv": sys.argv[1:]})
+    ThreadingHTTPServer((args.host, args.port), _Handler).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
