@@ -35,6 +35,7 @@ INSTALL = (f"build llama.cpp's llama-server (e.g. from llama-cpp-python's sdist,
 START_TIMEOUT_S = 300.0  # loading a GGUF on a busy 2-core machine
 REQUEST_TIMEOUT_S = 3600.0  # per socket read: a slot may wait behind every other request's prompt
 MAX_LINE = 1 << 20  # one streamed event; ours are a few hundred bytes
+MAX_TOKENS = 1 << 24  # a count past any request's max_tokens is not a count
 
 
 def server_binary() -> str:
@@ -127,9 +128,9 @@ class _Server:
         return lines[-1] if lines else "(no output)"
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[float]:
-        """One request, streamed: the time each token arrived (tokens sent together share a time)."""
+        """One request, streamed: the time each token arrived (tokens reported together share a time)."""
         body = json.dumps({"prompt": list(prompt), "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                           "ignore_eos": True, "cache_prompt": False, "return_tokens": True, "stream": True})
+                           "ignore_eos": True, "cache_prompt": False, "stream": True})
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
         try:
             conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
@@ -145,7 +146,10 @@ class _Server:
 
 
 def _token_times(response) -> list[float]:
-    """Server-sent events, `data: {...}` per line, each carrying the tokens it adds, the last one `stop`."""
+    """Server-sent events, `data: {...}` per line, the last one `stop`. Each carries `tokens_predicted`, the
+    count so far: the server sends no event for a token that ends inside a UTF-8 character (common for
+    the bench's random token ids) and reports it with the next one, so the count, not the events, is
+    what was generated; tokens reported together share that event's arrival time, as a client sees them."""
     times: list[float] = []
     while True:
         line = response.readline(MAX_LINE)
@@ -158,10 +162,10 @@ def _token_times(response) -> list[float]:
             event = json.loads(line[6:])
         except ValueError:
             raise KvscopeError(f"peer {NAME}: a streamed event was not JSON: {line[:80]!r}") from None
-        if not isinstance(event, dict):
-            raise KvscopeError(f"peer {NAME}: a streamed event was not an object: {line[:80]!r}")
-        tokens = event.get("tokens")
-        times.extend([now] * (len(tokens) if isinstance(tokens, list) else 0))
+        predicted = event.get("tokens_predicted") if isinstance(event, dict) else None
+        if not isinstance(predicted, int) or isinstance(predicted, bool) or not 0 <= predicted <= MAX_TOKENS:
+            raise KvscopeError(f"peer {NAME}: a streamed event without a token count: {line[:80]!r}")
+        times.extend([now] * max(0, predicted - len(times)))
         if event.get("stop"):
             return times
 

@@ -51,12 +51,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        n, sent, first = request["n_predict"], 0, request["prompt"][-1]
-        while sent < n:
-            tokens = [first + sent + i for i in range(min(2 if sent % 3 == 1 else 1, n - sent))]
-            sent += len(tokens)
-            self._event({"content": "x" * len(tokens), "tokens": tokens, "stop": False})
-        self._event({"content": "", "tokens": [], "stop": True, "timings": {"predicted_n": n}})
+        n, first = request["n_predict"], request["prompt"][-1]
+        for sent in range(1, n + 1):
+            if sent % 3 != 1 or sent == n:  # the 4th, 7th, ... token is held back and reported with the next
+                self._event({"content": "x", "tokens": [first + sent], "tokens_predicted": sent, "stop": False})
+        self._event({"content": "", "tokens": [], "tokens_predicted": n, "stop": True, "timings": {"predicted_n": n}})
         self.close_connection = True
 
     def _event(self, event: dict) -> None:
