@@ -72,6 +72,14 @@ def test_a_server_that_cannot_start_is_one_line_with_its_own_last_words(fake_ser
         llama_server_peer.llama_server_row(EngineConfig(model=str(gguf)), items, threads=1)
 
 
+def test_a_server_that_dies_mid_run_ends_the_row_with_one_error(fake_server, monkeypatch):
+    gguf, _ = fake_server
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "1")
+    items = [WorkloadRequest(0.0, [4, 5, 6], max_tokens=8) for _ in range(3)]
+    with pytest.raises(KvscopeError, match="peer llama-server: (the stream ended|request failed)"):
+        llama_server_peer.llama_server_row(EngineConfig(model=str(gguf)), items, threads=1)
+
+
 def test_without_the_binary_the_bench_says_how_to_build_it_before_any_row(monkeypatch, tmp_path, capsys):
     from kvscope.cli.main import main
 

@@ -61,11 +61,12 @@ def llama_server_row(config: EngineConfig, items, threads: int) -> Row:
     path = gguf_path(config)
     slots = max(1, min(config.max_num_seqs, len(items)))
     ctx_per_slot = max(len(it.prompt) + it.max_tokens for it in items) + 8
-    with _Server(server_binary(), path, threads, slots, ctx_per_slot) as server:
+    # the server stops before the pool is joined: on Ctrl-C or an error, the open streams end at once
+    with ThreadPoolExecutor(max_workers=len(items)) as pool, \
+            _Server(server_binary(), path, threads, slots, ctx_per_slot) as server:
         server.complete([1, 2, 3], 2)  # warm-up, as kvscope's rows get one
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(items)) as pool:
-            streams = list(pool.map(lambda it: server.complete(it.prompt, it.max_tokens), items))
+        streams = list(pool.map(lambda it: server.complete(it.prompt, it.max_tokens), items))
     ttft = [times[0] - start for times in streams if times]
     itl = [b - a for times in streams for a, b in zip(times, times[1:])]
     tokens = sum(len(times) for times in streams)
@@ -94,14 +95,17 @@ class _Server:
         self._wait_healthy()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
+            if exc_type is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            else:  # Ctrl-C or an error: a bench peer has nothing to save, and its open streams hold SIGTERM up
                 self.proc.kill()
-                self.proc.wait()
+            self.proc.wait()
         self.log.close()
 
     def _wait_healthy(self) -> None:
@@ -110,8 +114,8 @@ class _Server:
             if self.proc.poll() is not None:
                 raise KvscopeError(f"peer {NAME} exited with status {self.proc.returncode} at start: "
                                    f"{self._last_log_line()}")
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     return
