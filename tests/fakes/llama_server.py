@@ -1,9 +1,9 @@
 """A stand-in llama-server for the `--peers llama-server` tests, run as a process the way the real binary is.
 
 It takes the flags kvscope passes, answers /health (503 "Loading model" first, as the real one does while it
-loads) and streams /completion as server-sent events: `data: {...}` lines with the tokens each adds, the
-last one with `"stop": true`. Every other event carries two tokens, as the real server does when it holds
-back an incomplete UTF-8 character. It appends its argv and every request body to FAKE_LLAMA_LOG (JSON
+loads) and streams /completion as server-sent events: `data: {...}` lines with `tokens_predicted`, the count
+so far, the last one with `"stop": true`. Every third token gets no event of its own and is counted by the
+next, as the real server does for a token that ends inside a UTF-8 character. It appends its argv and every request body to FAKE_LLAMA_LOG (JSON
 lines). With FAKE_LLAMA_FAIL set it prints that text and exits 1, as a server that cannot load does; with
 FAKE_LLAMA_CRASH set it dies in the middle of the first request after the warm-up, as a crashed one does.
 """
@@ -56,7 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
         for sent in range(1, n + 1):
             if os.environ.get("FAKE_LLAMA_CRASH") and request["prompt"] != [1, 2, 3] and sent == 2:
                 os._exit(1)
-            if sent % 3 != 1 or sent == n:  # the 4th, 7th, ... token is held back and reported with the next
+            if sent % 3 != 1 or sent == n:  # the 1st, 4th, 7th, ... token is held back and counted by the next event
                 self._event({"content": "x", "tokens": [first + sent], "tokens_predicted": sent, "stop": False})
         self._event({"content": "", "tokens": [], "tokens_predicted": n, "stop": True, "timings": {"predicted_n": n}})
         self.close_connection = True
