@@ -29,8 +29,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor | slice  # the group's query rows (a slice where they are contiguous: no gather)
-    block_ids: torch.Tensor  # [G * nb] int64: the blocks to gather, row by row
-    first_block: torch.Tensor | None  # [G]: each row's first logical block (windows only)
+    block_ids: torch.Tensor  # [G * nb] int64: the blocks to gather, row by row (from each row's window start)
     span: int  # keys gathered per row (the longest row's span; the rest masked)
     visible: torch.Tensor  # [G, 1, 1, span] bool
 
@@ -39,7 +38,6 @@ class _DecodeGroup:
 class _Prefill:
     rows: slice
     block_ids: torch.Tensor
-    first_block: torch.Tensor | None
     span: int
     mask: torch.Tensor | None  # [qlen, span] bool; None: plain causal over the whole context
 
@@ -107,8 +105,8 @@ def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device) -> _Pl
             if window is not None:
                 mask &= key_pos > q_pos - window
         chunks.append(_Prefill(slice(start, start + qlen),
-                               _block_ids(meta.block_tables[s : s + 1], ctx - first, bs, first_block), first_block,
-                               ctx - first, mask))
+                               _block_ids(meta.block_tables[s : s + 1], ctx - first, bs, first_block), ctx - first,
+                               mask))
     plans[window] = plan = _Plan(groups, chunks)
     return plan
 
@@ -127,7 +125,7 @@ def _decode_group(meta: AttentionMetadata, group: list[int], longest: int, qsl: 
     visible = key_pos < lens[:, None]
     if window is not None:
         visible &= key_pos > (lens[:, None] - 1) - window
-    return _DecodeGroup(rows, _block_ids(meta.block_tables[idx], longest, bs, first_block), first_block, longest,
+    return _DecodeGroup(rows, _block_ids(meta.block_tables[idx], longest, bs, first_block), longest,
                         visible[:, None, None, :])
 
 
