@@ -195,7 +195,6 @@ def test_view_survives_garbage_on_the_socket():
         pub.close()
 
 
-
 def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
     """zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
     reconnects after one: every later batch was lost for good."""
@@ -218,6 +217,7 @@ def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
     finally:
         source.close()
         pub.close()
+
 
 def test_cache_view_is_bounded(monkeypatch):
     from kvscope.adapters import vllm_cache

@@ -208,6 +208,8 @@ class VllmSource:
     def _subscribe(self) -> None:
         import zmq
 
+        from kvscope.protocol.pubsub import redial_if_dropped
+
         try:
             sub = self._socket(zmq.SUB, self.state.kv_addr)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -215,22 +217,14 @@ class VllmSource:
             with self.lock:
                 self.state.kv.last_error = f"cannot connect {self.state.kv_addr}: {e}"
             return
-        # zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
-        # reconnects a connecting socket after one: the view would stay deaf to it for good. The
-        # monitor tells of each disconnection; each is answered by connecting afresh (counted).
+        # one message over MAXMSGSIZE would leave the view deaf to that publisher for good: the monitor
+        # tells of each disconnection, and redial_if_dropped connects afresh (counted)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # Batches published before this view started are only in the replay buffer.
         self.replay_from(0)
         try:
             while not self._stop.is_set():
-                if monitor.poll(0):
-                    while monitor.poll(0):
-                        monitor.recv_multipart()
-                    try:
-                        sub.disconnect(self.state.kv_addr)  # whatever zmq still holds (nothing after a protocol error)
-                    except zmq.ZMQError:
-                        pass
-                    sub.connect(self.state.kv_addr)
+                if redial_if_dropped(sub, monitor, self.state.kv_addr):
                     with self.lock:
                         self.state.kv.reconnects += 1
                 if not sub.poll(POLL_MS):

@@ -243,6 +243,30 @@ class OwnsSocket:
         self.close()
 
 
+def redial_if_dropped(sock, monitor, addr: str) -> bool:
+    """Connect `sock` to `addr` afresh if its monitor (EVENT_DISCONNECTED only) told of a disconnection.
+
+    zmq drops a connection whose peer sent a frame over MAXMSGSIZE as a protocol error, and a connecting
+    socket never reconnects after one: without this, one oversized frame leaves the socket deaf to that
+    address for good. Drains every pending event; True when it reconnected.
+    """
+    zmq = zmq_module()
+    dropped = False
+    while True:
+        try:
+            monitor.recv_multipart(zmq.NOBLOCK)  # [event id and value, endpoint]: only disconnections
+        except zmq.Again:
+            break
+        dropped = True
+    if dropped:
+        try:
+            sock.disconnect(addr)  # whatever zmq still holds for it (nothing after a protocol error)
+        except zmq.ZMQError:
+            pass
+        sock.connect(addr)
+    return dropped
+
+
 class Subscriber(OwnsSocket):
     """Receives and decodes events from a publisher.
 
@@ -299,20 +323,7 @@ class Subscriber(OwnsSocket):
                         return None
 
     def _reconnect_if_dropped(self) -> None:
-        zmq = zmq_module()
-        dropped = False
-        while True:
-            try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id and value, endpoint]: only disconnections
-            except zmq.Again:
-                break
-            dropped = True
-        if dropped:
-            try:
-                self._sock.disconnect(self.addr)  # whatever zmq still holds for it (nothing after a protocol error)
-            except zmq.ZMQError:
-                pass
-            self._sock.connect(self.addr)
+        if redial_if_dropped(self._sock, self._monitor, self.addr):
             self.reconnects += 1
 
     def close(self) -> None:
