@@ -127,8 +127,9 @@ class _Server:
         raise KvscopeError(f"peer {NAME} was not ready within {START_TIMEOUT_S:.0f} s: {self._last_log_line()}")
 
     def _last_log_line(self) -> str:
-        self.log.seek(0)
-        lines = [ln.strip() for ln in self.log.read()[-4096:].decode("utf-8", "replace").splitlines() if ln.strip()]
+        self.log.seek(0, os.SEEK_END)
+        self.log.seek(max(0, self.log.tell() - 4096))  # the tail only: a server's log can be long
+        lines = [ln.strip() for ln in self.log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
         return lines[-1] if lines else "(no output)"
 
     def complete(self, prompt: list[int], max_tokens: int) -> list[float]:
