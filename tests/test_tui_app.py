@@ -408,3 +408,57 @@ async def test_live_subscriber_error_is_shown():
             assert any("bad address" in str(n.message) for n in app._notifications)
     finally:
         src.close()
+
+
+def _focused_table(app) -> QueueTable:
+    table = app.focused
+    assert isinstance(table, QueueTable)
+    return table
+
+
+@async_test
+async def test_cursor_follows_its_request_not_its_row(events):
+    """Rows above come and go, the request moves between queues, then finishes: the cursor stays on it."""
+    app, rc, _ = replay_app(events)
+    async with app.run_test(size=(100, 40)) as pilot:
+        app.player.seek(200)
+        app.pump()
+        await pilot.pause()
+        await pilot.press("down", "down")
+        table = _focused_table(app)
+        req = table.cursor_req
+        assert req == app.state.running[2] and app.screen.selected == req
+        index_moved = False
+        finished_at = None
+        for _ in range(300):
+            await pilot.press("right")
+            await pilot.pause()
+            table = _focused_table(app)
+            assert table.cursor_req == req, f"step {app.state.step}: the cursor left #{req}"
+            live = app.state.requests.get(req)
+            if live is not None and req in app.state.running and app.state.running.index(req) != 2:
+                index_moved = True
+            if live is None:
+                finished_at = app.state.step
+                break
+        assert index_moved and finished_at is not None
+        assert "done" in text_of(table)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestDetailScreen) and app.screen.req == req
+
+
+@async_test
+async def test_enter_at_the_end_of_a_replay_opens_a_finished_request():
+    app, rc, _ = replay_app(sim_stream(300, seed=3, arrival_p=0.0, bursts=(1,)))  # drains: every queue ends empty
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("shift+end")
+        await pilot.pause()
+        assert app.state.step == rc.last_step and not app.state.running
+        running = app.query_one("#running", QueueTable)
+        assert running.has_focus and running.ids and "finished last" in text_of(running)
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestDetailScreen)
+        assert app.screen.req == running.ids[1] and app.state.get(app.screen.req).state == "finished"

@@ -71,6 +71,14 @@ class DashboardScreen(FeedScreen):
             self.selected = message.req
             self.kvscope.redraw()
 
+    def on_queue_table_moved(self, message: QueueTable.Moved) -> None:
+        """The highlighted request changed queues: the cursor goes with it."""
+        for table in self.query(QueueTable):
+            if table is not message.table and message.req in table.ids:
+                table.follow(message.req)
+                table.focus()
+                return
+
     def on_queue_table_opened(self, message: QueueTable.Opened) -> None:
         from kvscope.tui.screens.detail import RequestDetailScreen
 
