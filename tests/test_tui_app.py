@@ -462,3 +462,33 @@ async def test_enter_at_the_end_of_a_replay_opens_a_finished_request():
         await pilot.pause()
         assert isinstance(app.screen, RequestDetailScreen)
         assert app.screen.req == running.ids[1] and app.state.get(app.screen.req).state == "finished"
+
+
+@async_test
+async def test_ctrl_c_quits_a_dashboard(events):
+    app, _, _ = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app._exit, "ctrl+c ends the app (no 'press ctrl+q to quit')"
+
+
+@async_test
+async def test_help_scrolls_on_a_short_terminal_and_control_toasts_do_not_pile_up(events):
+    app, _, _ = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        for i in range(5):  # five `b` presses' replies: one toast, the last
+            app.toast(f"burst: ok (added {i})", timeout=30, key="control")
+        app.toast("something else", timeout=30)
+        await pilot.pause()
+        texts = [str(n.message) for n in app._notifications]
+        assert texts == ["burst: ok (added 4)", "something else"]
+        await pilot.press("question_mark")
+        await pilot.pause()
+        body = app.screen.query_one("#help-body")
+        assert body.has_focus and body.max_scroll_y > 0, "the help is longer than the screen"
+        await pilot.press("end")
+        await pilot.pause()
+        assert body.scroll_y == body.max_scroll_y
