@@ -492,3 +492,15 @@ async def test_help_scrolls_on_a_short_terminal_and_control_toasts_do_not_pile_u
         await pilot.press("end")
         await pilot.pause()
         assert body.scroll_y == body.max_scroll_y
+
+
+def test_replay_takes_compares_speed_and_paused(monkeypatch):
+    import kvscope.tui.launch as launch
+    from kvscope.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr(launch, "run_replay", lambda path, **kw: seen.update(kw, path=path))
+    assert main(["replay", "traces/demo-cpu.kvtrace", "--speed", "4", "--paused"]) == 0
+    assert seen["speed"] == 4.0 and seen["paused"] is True
+    app = launch.make_replay_app("traces/demo-cpu.kvtrace", speed=seen["speed"], playing=not seen["paused"])
+    assert app.player.speed == 4.0 and not app.player.playing
