@@ -504,3 +504,27 @@ def test_replay_takes_compares_speed_and_paused(monkeypatch):
     assert seen["speed"] == 4.0 and seen["paused"] is True
     app = launch.make_replay_app("traces/demo-cpu.kvtrace", speed=seen["speed"], playing=not seen["paused"])
     assert app.player.speed == 4.0 and not app.player.playing
+
+
+@async_test
+async def test_p_lands_on_the_victim_even_when_it_was_readmitted_within_the_step(events):
+    app, rc, _ = replay_app(events)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.pause()
+        seen = set()
+        for _ in range(8):
+            await pilot.press("p")
+            await pilot.pause()
+            st = app.state
+            assert st.step in rc.preempt_steps and st.preempted_now
+            victim = st.preempted_now[0][0]
+            table = _focused_table(app)
+            assert app.screen.selected == victim and table.cursor_req == victim, f"step {st.step}"
+            where = "running" if victim in st.running else "preempted" if victim in st.preempted else "waiting"
+            assert table.id == where
+            seen.add(where)
+            toast = [str(n.message) for n in app._notifications if "preempted" in str(n.message)]
+            assert toast and f"#{victim} preempted" in toast[-1]
+            if where == "running":
+                assert "re-admitted in the same step" in toast[-1]
+        assert {"running", "preempted"} <= seen

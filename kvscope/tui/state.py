@@ -169,6 +169,7 @@ class TuiState:
     rejected_count: int = 0
     rejects: deque = field(default_factory=lambda: deque(maxlen=REJECTS_KEEP))
     preemption_count: int = 0
+    preempted_now: list = field(default_factory=list)  # (req, reason, mode) of this step's preemptions
     swap_out_count: int = 0  # swaps out to the CPU pool seen
     swap_in_count: int = 0
     hit_count: int = 0  # admissions that found a cached prefix
@@ -465,6 +466,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         _claim_pool(state, ev.kv.total)
 
     # Preemptions happen at schedule time, before this step's allocations.
+    state.preempted_now = [(pe.req, pe.reason, pe.mode) for pe in ev.preemptions]
     for pe in ev.preemptions:
         state.preemption_count += 1
         r = _placeholder(state, pe.req)
@@ -621,6 +623,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
             state.requests[rs.req] = r
         if old is None or state.stale:
             r.log.append(LogEntry(LOG_RESYNC, ev.step, ev.t, note="snapshot"))
+    state.preempted_now = []
     state.stale = False
     state.stale_reason = ""
     state.synced = True
