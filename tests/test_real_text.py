@@ -88,3 +88,37 @@ def test_the_shipped_real_model_trace_shows_real_text_in_request_detail(tmp_path
         svg = fa.read()
         assert svg == fb.read()
     assert "COMPLETION" in svg and "PROMPT" in svg
+
+
+def test_step_events_stream_each_completion_as_it_grows_and_the_reducer_follows():
+    from types import SimpleNamespace
+
+    from kvscope.engine.detokenizer import IncrementalDetokenizer
+    from kvscope.engine.llm_engine import EVENT_TEXT_CHARS, LLMEngine
+    from kvscope.engine.sampling_params import SamplingParams
+
+    tok = WordTokenizer()
+    words = "Paris is the capital of France and its largest city".split()
+    ids = tok.encode(" ".join(words))
+    detok = IncrementalDetokenizer(tok, SamplingParams(max_tokens=20))
+    req = SimpleNamespace(req_id=1, finish_reason=None, event_text_chars=0, detokenizer=detok)
+    state = TuiState()
+    reduce(state, RequestEvent(1, 5, 20, 0, 0.0, prompt_text="Where is Paris?"))
+    seen = []
+    for step, i in enumerate(ids):
+        detok.add([i])
+        grown = LLMEngine._text_grown(None, [req])
+        ev = StepEvent(step=step, t=step * 0.1, dur=0.05, budget=64, sampled=[1], running=[1],
+                       kv=KvCounters(total=8, free=8), text=grown)
+        reduce(state, codec.decode(codec.encode(ev)))
+        seen.append(state.get(1).output_text)
+    assert seen[0] == "Paris" and seen[-1] == " ".join(words), "the text grows step by step, all of it"
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))
+    finish = StepEvent(step=len(ids), t=9.0, dur=0.05, budget=64, kv=KvCounters(total=8, free=8),
+                       finished=[Finish(1, 0.05, 1.0, len(ids), "stop")],
+                       outputs=[OutputText(1, " ".join(words) + " .")])
+    reduce(state, finish)
+    assert state.get(1).output_text.endswith("city .")  # the finished text is the whole, final one
+    req.event_text_chars = EVENT_TEXT_CHARS  # a runaway completion: the events stop carrying it
+    detok.add(tok.encode("more words"))
+    assert LLMEngine._text_grown(None, [req]) == []

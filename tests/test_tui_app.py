@@ -528,3 +528,54 @@ async def test_p_lands_on_the_victim_even_when_it_was_readmitted_within_the_step
             if where == "running":
                 assert "re-admitted in the same step" in toast[-1]
         assert {"running", "preempted"} <= seen
+
+
+def _with_text(events, req: int):
+    """The events, with real-model text for ``req``: a prompt, and a completion that grows a word a token."""
+    from kvscope.protocol.events import OutputText
+
+    out = []
+    n = 0
+    for e in events:
+        e = decode(encode(e))
+        if e.type == "request" and e.req == req:
+            e.prompt_text = "Question: name every planet of the solar system, one line each."
+        if e.type == "step" and req in e.sampled and not any(f.req == req for f in e.finished):
+            n += 1
+            e.text = [OutputText(req, f"planet{n} " + ("\n" if n % 3 == 0 else ""))]
+        out.append(e)
+    return out, n
+
+
+@async_test
+async def test_request_detail_streams_the_completion_and_shows_all_of_it(events):
+    from kvscope.tui.widgets.request import RequestText
+
+    probe = [e for e in events if e.type == "step"]
+    req = next(r for r in probe[150].running if sum(r in s.sampled for s in probe) > 40)
+    evs, _ = _with_text(events, req)
+    clock = FixedClock()
+    rc = ReplayController(MemoryTrace(evs), playing=False, clock=clock)
+    app = KvscopeApp([ReplayFeed(rc)], Player([rc], playing=False, clock=clock), auto_tick=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        first = next(s.step for s in probe if req in s.sampled)
+        app.player.seek(first + 3)
+        app.pump()
+        await pilot.pause()
+        app.push_screen(RequestDetailScreen(app.feeds[0], req))
+        await pilot.pause()
+        text = app.screen.query_one(RequestText)
+        early = text_of(text)
+        assert "planet1" in early and "generating" in early and "Question: name every planet" in early
+        for _ in range(60):
+            app.player.step_forward()
+            app.pump()
+        await pilot.pause()
+        r = app.state.get(req)
+        later = text_of(text)
+        assert later.count("planet") > early.count("planet") + 20, "the completion grew on screen"
+        last = r.output_text.split()[-1]
+        assert last in later, "nothing cut: the newest words are on screen"
+        scroll = app.screen.query_one("#lifecycle-scroll")
+        assert text.size.height >= len(later.splitlines()) > 12, "the widget grew to every line (no cut at 2)"
+        assert scroll.max_scroll_y > 0, "text and lifecycle are taller than the screen: they scroll"
