@@ -4,7 +4,10 @@ A synthetic workload draws prompt lengths as token counts; with a real model the
 engine is then served real instructions instead (texts/instructions.json, data shipped
 in the package), each through the model's chat template. A prompt that the spec wants
 long carries notes to read first, added until it reaches about the drawn length, so
-the workload's shape (short chats, a few long prompts) stays. Every prompt starts with
+the workload's shape (short chats, a few long prompts) stays, and its question is about the notes
+(the last note, the one nearest the question, asked before the notes and again after them). Each note
+appears at most once: a very long drawn length gets a shorter prompt rather than notes repeated, which
+SmolLM2-135M (checked greedily) answers by copying the notes instead of the question. Every prompt starts with
 the template's system turn, so prefix caching sees a shared prefix as in real chat traffic.
 Choices are seeded by (seed, request index): the same run gives the same prompts.
 """
@@ -37,6 +40,7 @@ class TextPrompts:
         self.instructions: list[str] = texts["instructions"]
         self.intro: str = texts["notes_intro"]
         self.notes: list[str] = texts["notes"]
+        self.note_questions: list[list[str]] = texts["note_questions"]
         self._note_len = [len(tokenizer.encode(n + "\n\n")) for n in self.notes]
 
     def _ids(self, content: str) -> list[int]:
@@ -50,9 +54,17 @@ class TextPrompts:
         limit = min(target_len, max_len) if max_len is not None else target_len
         if limit - len(ids) <= NOTES_MARGIN + min(self._note_len):
             return ids if max_len is None or len(ids) <= max_len else ids[-max_len:]
-        room, parts, i = limit - len(ids) - NOTES_MARGIN, [], rng.randrange(len(self.notes))
-        while room >= self._note_len[i % len(self.notes)]:
-            parts.append(self.notes[i % len(self.notes)])
-            room -= self._note_len[i % len(self.notes)]
-            i += 1
-        return self._ids(f"{self.intro}\n\n" + "\n\n".join(parts) + f"\n\n{question}")
+        asked = rng.randrange(len(self.notes))
+        question = rng.choice(self.note_questions[asked])
+        room = limit - len(self._ids(f"{self.intro} {question}\n\n{question}")) - NOTES_MARGIN - self._note_len[asked]
+        if room < 0:  # not even the note its question is about fits: the plain instruction
+            return ids
+        parts = []
+        for k in range(asked + 1, asked + len(self.notes)):  # the other notes first, each at most once
+            n = k % len(self.notes)
+            if room >= self._note_len[n]:
+                parts.append(self.notes[n])
+                room -= self._note_len[n]
+        parts.append(self.notes[asked])
+        # the question before the notes and again after them: a small model then keeps to it in a long context
+        return self._ids(f"{self.intro} {question}\n\n" + "\n\n".join(parts) + f"\n\n{question}")
