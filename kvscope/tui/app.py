@@ -130,6 +130,8 @@ class KvscopeApp(App):
         return DashboardScreen(feed)
 
     def on_mount(self) -> None:
+        if self.player is not None:
+            self.player.start_clock()  # a replay or a compare opens at its start, not seconds into it
         self.pump()
         if self.auto_tick:
             self.set_interval(1.0 / self.fps, self.pump, name="kvscope-tick")
