@@ -41,7 +41,14 @@ def test_prompts_are_real_instructions_seeded_and_sized():
     assert texts.prompt(10, index=0) == short  # same (seed, index): same prompt
     assert len({tuple(texts.prompt(10, index=i)) for i in range(12)}) > 3  # the instructions vary
     long = texts.prompt(600, index=5)
-    assert 400 <= len(long) <= 600 and load_texts()["notes_intro"].split()[0] in tok.decode(long)
+    text = tok.decode(long)
+    data = load_texts()
+    assert len(long) <= 600 and text.count(data["notes_intro"]) == 1
+    # its question is about the note it carries, right before the question
+    asked = next(i for i, qs in enumerate(data["note_questions"]) if any(text.endswith(f"{q} <assistant>")
+                                                                          for q in qs))
+    assert " ".join(data["notes"][asked].split()[-5:]) in text
+    assert sum(" ".join(n.split()[:6]) in text for n in data["notes"]) == 1  # one note: a small model keeps to it
     assert len(texts.prompt(600, index=5, max_len=200)) <= 200
 
 

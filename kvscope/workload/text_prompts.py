@@ -3,11 +3,10 @@
 A synthetic workload draws prompt lengths as token counts; with a real model the
 engine is then served real instructions instead (texts/instructions.json, data shipped
 in the package), each through the model's chat template. A prompt that the spec wants
-long carries notes to read first, added until it reaches about the drawn length, so
-the workload's shape (short chats, a few long prompts) stays, and its question is about the notes
-(the last note, the one nearest the question, asked before the notes and again after them). Each note
-appears at most once: a very long drawn length gets a shorter prompt rather than notes repeated, which
-SmolLM2-135M (checked greedily) answers by copying the notes instead of the question. Every prompt starts with
+longer than a note carries one note to read first and asks a question about that note
+(texts' note_questions), so short chats stay short and longer prompts stay longer, up to
+one note's length: given three or all eight notes (230-500 tokens), SmolLM2-135M (checked
+greedily) often copied the first note instead of answering. Every prompt starts with
 the template's system turn, so prefix caching sees a shared prefix as in real chat traffic.
 Choices are seeded by (seed, request index): the same run gives the same prompts.
 """
@@ -47,7 +46,7 @@ class TextPrompts:
         return self.tokenizer.encode(self.tokenizer.render_chat([{"role": "user", "content": content}]))
 
     def prompt(self, target_len: int, index: int, max_len: int | None = None) -> list[int]:
-        """Token ids of a real chat prompt of about target_len tokens (at most max_len)."""
+        """Token ids of a real chat prompt of at most about target_len tokens (and at most max_len)."""
         rng = Random(f"kvscope.workload/{self.seed}/text/{index}")
         question = rng.choice(self.instructions)
         ids = self._ids(question)
@@ -56,15 +55,7 @@ class TextPrompts:
             return ids if max_len is None or len(ids) <= max_len else ids[-max_len:]
         asked = rng.randrange(len(self.notes))
         question = rng.choice(self.note_questions[asked])
-        room = limit - len(self._ids(f"{self.intro} {question}\n\n{question}")) - NOTES_MARGIN - self._note_len[asked]
+        room = limit - len(self._ids(f"{self.intro}\n\n{question}")) - NOTES_MARGIN - self._note_len[asked]
         if room < 0:  # not even the note its question is about fits: the plain instruction
             return ids
-        parts = []
-        for k in range(asked + 1, asked + len(self.notes)):  # the other notes first, each at most once
-            n = k % len(self.notes)
-            if room >= self._note_len[n]:
-                parts.append(self.notes[n])
-                room -= self._note_len[n]
-        parts.append(self.notes[asked])
-        # the question before the notes and again after them: a small model then keeps to it in a long context
-        return self._ids(f"{self.intro} {question}\n\n" + "\n\n".join(parts) + f"\n\n{question}")
+        return self._ids(f"{self.intro}\n\n{self.notes[asked]}\n\n{question}")
