@@ -20,6 +20,9 @@ class Race(Command):
         engine_args(p)
         workload_args(p, "mixed")
         p.add_argument("--preset", metavar="NAME", help="a sim bench preset, e.g. lesson (kvscope/bench/presets/)")
+        p.add_argument("--keep-arrivals", action="store_true",
+                       help="sim: serve the requests at the workload's own arrival times (default: all at t=0, as "
+                            "bench does; a queue that only drains shows no continuous batching)")
         p.add_argument("--modes", default=None, help="comma list (default: naive,static,continuous,chunked, "
                                                       "or the preset's)")
         p.add_argument("--policies", default=None, help="comma list of policies to race (default: --policy)")
@@ -78,12 +81,12 @@ def _race_inputs(args):
             raise UsageError(f"preset {args.preset!r} has no engine and workload to race (try lesson)")
         config = EngineConfig(**{**preset.data.engine, **explicit_sim_overrides(args)})
         spec = wl.parse_spec(preset.data.workload)
-        items = sim_workload(config, spec, None, None)
+        items = sim_workload(config, spec, args.num_requests, None, keep_arrivals=args.keep_arrivals)
         return config, items, _device(config), spec.name, preset.data.modes, config.backend == "sim"
     config = engine_config(args)
     if config.backend == "sim":
         spec = wl.load_spec(args.workload)
-        items = sim_workload(config, spec, args.num_requests, None)
+        items = sim_workload(config, spec, args.num_requests, None, keep_arrivals=args.keep_arrivals)
         return config, items, _device(config), spec.name, None, True
     from kvscope.bench.modes import BenchOptions, bench_items
 

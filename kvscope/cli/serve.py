@@ -24,6 +24,9 @@ class Serve(Command):
         p.add_argument("--forever", action="store_true", help="keep generating requests until stopped")
         p.add_argument("--burst-every", type=float_type(positive=True), default=None, metavar="S",
                        help="with --forever: a burst every S s")
+        p.add_argument("--step-clock", type=float_type(positive=True), default=None, metavar="S",
+                       help="with --forever: the workload's clock advances S s per engine step (and in real time "
+                            "while idle), so its traffic loads a fast and a slow machine alike (kvscope demo)")
         p.add_argument("--max-waiting", type=int_type(1, 1 << 20), default=DEFAULT_MAX_WAITING, metavar="N",
                        help="refuse new requests while N are waiting; a control burst past it is answered "
                             f"'refused' (default: {DEFAULT_MAX_WAITING})")
@@ -123,7 +126,7 @@ def _serve(args, config, publisher, control, front) -> int:
     # with the HTTP API the engine serves until stopped; synthetic traffic only with --forever
     http_only = front is not None and front.http_address is not None and not args.forever
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=engine.config.seed,
-                           forever=args.forever or http_only, burst_every_s=args.burst_every,
+                           forever=args.forever or http_only, burst_every_s=args.burst_every, step_clock_s=args.step_clock,
                            max_waiting=args.max_waiting)
     progress = progress_bar(not args.no_progress, total=_total_requests(options), desc=f"{engine.config.mode}")
     reason = "drained"

@@ -131,6 +131,20 @@ class LLMEngine:
         text = self._text_tokenizer.decode(ids)
         return text[-EVENT_TEXT_CHARS:] if tail else text[:EVENT_TEXT_CHARS]
 
+    def _text_grown(self, sampled_reqs: list[Request]) -> list[OutputText]:
+        """What each unfinished request's completion grew by this step (request detail streams it), up to
+        EVENT_TEXT_CHARS per request; a finished request's whole text goes in ``outputs`` instead."""
+        grown = []
+        for r in sampled_reqs:
+            detok = r.detokenizer
+            if detok is None or r.finish_reason is not None or r.event_text_chars >= EVENT_TEXT_CHARS:
+                continue
+            piece = detok.peek(r.event_text_chars)[:EVENT_TEXT_CHARS - r.event_text_chars]
+            if piece:
+                r.event_text_chars += len(piece)
+                grown.append(OutputText(r.req_id, piece))
+        return grown
+
     def describe_model(self) -> str:
         """One line for start-up: the model, the dtype its weights run in, and their memory."""
         describe = getattr(self.loaded, "describe", None)  # the real model's LoadedModel; the sim has none
@@ -262,10 +276,15 @@ class LLMEngine:
             self._waste_steps += 1
         if self.sink is not None:
             dropped = getattr(self.sink, "take_dropped", lambda: 0)()
-            texts = ([OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
-                     if self._text_tokenizer else None)
-            self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
-                                                   dropped, texts))
+            texts = growing = None
+            if self._text_tokenizer:
+                texts = [OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
+                growing = self._text_grown(sampled_reqs)
+            event = telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
+                                         dropped, texts)
+            if growing is not None:
+                event.text = growing
+            self.sink.publish(event)
             if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
                 self.publish_snapshot()
         return finished

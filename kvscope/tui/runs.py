@@ -126,6 +126,25 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     return run
 
 
+def setup_line(runs: list[Run]) -> str | None:
+    """What every run ran on, when they share it: the simulated GPU and model (a race's sim runs), or the
+    model and device, with the KV pool. None when the runs differ there (their columns then say)."""
+    good = [r for r in runs if r.ok]
+    if not good:
+        return None
+    keys = ("backend", "model", "device", "gpu", "tp", "kv_cache_dtype", "num_blocks", "block_size")
+    first = {k: good[0].config.get(k) for k in keys}
+    if any({k: r.config.get(k) for k in keys} != first for r in good[1:]):
+        return None
+    pool = (f"KV pool {first['num_blocks']:,} blocks of {first['block_size']} tokens"
+            if isinstance(first["num_blocks"], int) else "")
+    if first["backend"] == "sim":
+        kv = f", KV {first['kv_cache_dtype']}" if first["kv_cache_dtype"] else ""
+        return (f"simulated: {first['model']} on {first['gpu'] or first['device']} "
+                f"(tp {first['tp'] or 1}{kv}), {pool}").rstrip(", ")
+    return f"{first['model']} on {first['device']}, {pool}".rstrip(", ")
+
+
 def workload_notice(runs: list[Run]) -> str | None:
     """A visible note when the runs did not serve the same requests."""
     shapes = {r.workload for r in runs if r.ok}

@@ -74,6 +74,7 @@ RATE_WINDOW = 32  # steps used for iterations/s and output tok/s
 LOG_LEN = 48  # lifecycle entries kept per request
 FINISHED_KEEP = 128  # finished requests kept for the detail screen
 REJECTS_KEEP = 32
+MAX_OUTPUT_TEXT = 4000  # characters of a live request's completion kept (the engine sends at most as many)
 MAX_LIVE_REQUESTS = 100_000  # guard against a stream that never reports finishes
 MAX_TRACKED_BLOCKS = 1 << 18  # per-block memory past this is refused: the map draws this many
 
@@ -121,7 +122,7 @@ class ReqView:
     end_t: float | None = None
     known: bool = True  # False: seen in a queue before any request/snapshot record
     prompt_text: str = ""  # real-tokenizer models only (RequestEvent.prompt_text)
-    output_text: str = ""  # the completion, once finished (StepEvent.outputs)
+    output_text: str = ""  # the completion as it grows (StepEvent.text), whole once finished (outputs)
     log: deque = field(default_factory=lambda: deque(maxlen=LOG_LEN))
 
 
@@ -169,6 +170,7 @@ class TuiState:
     rejected_count: int = 0
     rejects: deque = field(default_factory=lambda: deque(maxlen=REJECTS_KEEP))
     preemption_count: int = 0
+    preempted_now: list = field(default_factory=list)  # (req, reason, mode) of this step's preemptions
     swap_out_count: int = 0  # swaps out to the CPU pool seen
     swap_in_count: int = 0
     hit_count: int = 0  # admissions that found a cached prefix
@@ -465,6 +467,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         _claim_pool(state, ev.kv.total)
 
     # Preemptions happen at schedule time, before this step's allocations.
+    state.preempted_now = [(pe.req, pe.reason, pe.mode) for pe in ev.preemptions]
     for pe in ev.preemptions:
         state.preemption_count += 1
         r = _placeholder(state, pe.req)
@@ -543,6 +546,11 @@ def _step(state: TuiState, ev: StepEvent) -> None:
                 r = _placeholder(state, req)
             r.state = st
 
+    if ev.text is not UNSET:  # the completions as they grow (request detail streams them)
+        for o in ev.text:
+            r = state.requests.get(o.req)
+            if r is not None and len(r.output_text) < MAX_OUTPUT_TEXT:
+                r.output_text = (r.output_text + o.text)[:MAX_OUTPUT_TEXT]
     texts = {o.req: o.text for o in ev.outputs} if ev.outputs is not UNSET else {}
     for f in ev.finished:
         state.finished_count += 1
@@ -621,6 +629,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
             state.requests[rs.req] = r
         if old is None or state.stale:
             r.log.append(LogEntry(LOG_RESYNC, ev.step, ev.t, note="snapshot"))
+    state.preempted_now = []
     state.stale = False
     state.stale_reason = ""
     state.synced = True

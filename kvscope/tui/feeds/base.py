@@ -42,6 +42,7 @@ class Notice:
     text: str
     severity: str = "information"  # information, warning, error
     timeout: float = 3.0
+    key: str = ""  # a later notice with the same key replaces this one's toast (control replies: no pile)
 
 
 @dataclass(slots=True)
