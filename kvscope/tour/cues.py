@@ -109,8 +109,9 @@ def chunks_beside_decodes(long_prompt: int):
         if r is None or not r.decoding:
             return None
         budget = st.chunk_size()
-        return Moment(f"step {st.step}: #{rid}'s {r.prompt_len}-token prompt went in {r.total_chunks} chunks under "
-                      f"the {budget}-token budget, and the other requests got a token in every one of those "
+        biggest = max((s.prefill + s.decode for s in st.history), default=0)
+        return Moment(f"step {st.step}: #{rid}'s {r.prompt_len}-token prompt went in {r.total_chunks} chunks; no step "
+                      f"computed more than {biggest} tokens, and the others got a token in every one of those "
                       f"steps: ITL max {_ms(ctx.itl_max)}.", select=rid,
                       figures={"itl_max": ctx.itl_max, "chunks": r.total_chunks})
     return cue
@@ -143,8 +144,10 @@ def whole_prefill_spike(long_prompt: int, against: str):
         chunked = ctx.findings.get(against, {}).get("itl_max")
         p50 = st.itl.quantile(0.5)
         versus = f" (with chunks: {_ms(chunked)})" if chunked else ""
-        return Moment(f"step {st.step}: #{rid}'s {r.prompt_len} tokens went in one step, and every running request "
-                      f"waited for it: ITL max {_ms(ctx.itl_max)}{versus}, against a median of {_ms(p50)}.",
+        biggest = max((s.prefill + s.decode for s in st.history), default=0)
+        return Moment(f"step {st.step}: #{rid}'s {r.prompt_len} tokens went in one step of {biggest} tokens, and "
+                      f"every running request waited for it: ITL max {_ms(ctx.itl_max)}{versus}, against a median "
+                      f"of {_ms(p50)}.",
                       select=rid, figures={"itl_max": ctx.itl_max})
     return cue
 
@@ -268,10 +271,16 @@ def all_served(requests: int, against: str | None = None):
         if before is None:
             return Moment(f"step {st.step}: all {requests} requests served, with {now['preemptions']} preemptions; "
                           f"TTFT p99 {_ms(now['ttft_p99'])}. These are the figures to beat.", figures=now)
+        better = [name for name, key in (("steps", "step"), ("preemptions", "preemptions"), ("TTFT p99", "ttft_p99"))
+                  if now[key] is not None and before[key] is not None and now[key] < before[key]]
+        worse = [name for name, key in (("steps", "step"), ("preemptions", "preemptions"), ("TTFT p99", "ttft_p99"))
+                 if now[key] is not None and before[key] is not None and now[key] > before[key]]
+        verdict = ("better on every figure" if better and not worse else
+                   f"a trade: better {', '.join(better)}, worse {', '.join(worse)}" if better else "no better")
         return Moment(f"step {st.step}, with {before['knob']} {before['to']}: all {requests} requests served in "
                       f"{now['step'] + 1} steps (before: {before['step'] + 1}), {now['preemptions']} preemptions "
                       f"(before: {before['preemptions']}), TTFT p99 {_ms(now['ttft_p99'])} "
-                      f"(before: {_ms(before['ttft_p99'])}).", figures=now)
+                      f"(before: {_ms(before['ttft_p99'])}): {verdict}.", figures=now)
     return cue
 
 

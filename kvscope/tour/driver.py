@@ -327,8 +327,10 @@ class TourDriver:
                     engine.step()
                     self._wait_for_screen()
                     rest = self.options.step_ms / 1e3 - (time.perf_counter() - t0)
-                    if rest > 0:
+                    if rest > 0:  # the engine's clock stops meanwhile: pacing is no gap between tokens
+                        engine.clock.hold()
                         time.sleep(rest)
+                        engine.clock.release()
                 if phase == PLAYING_ON:
                     if drained:
                         phase = OVER
