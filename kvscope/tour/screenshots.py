@@ -25,7 +25,7 @@ async def shoot(outdir: str, options) -> float:
     async with app.run_test(size=SIZE) as pilot:
         while True:
             st = driver.status
-            drawn = app.screen.draw_key()[1] == st.serial
+            drawn = app.screen.shown_serial == st.serial
             if st.phase == THE_END or st.phase == "error":
                 break
             if st.phase != FROZEN or not drawn or driver._out.events:

@@ -46,6 +46,11 @@ class TourScreen(DashboardScreen):
         self._shown_serial = -1
         self._look = ""
 
+    @property
+    def shown_serial(self) -> int:
+        """The serial of the tour status the caption panel shows now."""
+        return self._shown_serial
+
     def compose_extra(self) -> ComposeResult:
         yield CaptionPanel(id="caption")
 
