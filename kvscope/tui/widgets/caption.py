@@ -18,7 +18,7 @@ PHASES = {
     "playing on": ("▶", "playing on past the moment · → next · ← replay"),
     "over": ("■", "this run is over · → next · ← replay"),
     "the end": ("■", "← last chapter again · q quit"),
-    "error": ("✗", "← replay · q quit"),
+    "error": ("✗", "q quit"),
 }
 
 
