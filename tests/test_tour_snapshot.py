@@ -10,7 +10,7 @@ from fakes.sources import ListSource
 from fakes.streams import sim_stream
 
 from kvscope.tour.driver import FROZEN, TourStatus
-from kvscope.tui.tour_app import TourApp
+from kvscope.tui.tour_app import tour_app
 
 
 class StillTour:
@@ -49,5 +49,5 @@ class StillTour:
 
 def test_tour_screen_120x36(snap_compare):
     tour = StillTour(sim_stream(300, seed=3, bursts=(100, 200), bye=False))
-    assert snap_compare(TourApp(tour, auto_tick=False), terminal_size=(120, 36), press=["right", "left", "space"])
+    assert snap_compare(tour_app(tour, auto_tick=False), terminal_size=(120, 36), press=["right", "left", "space"])
     assert tour.pressed == ["next", "replay", "pause"]  # the keys reach the driver, whatever has the focus

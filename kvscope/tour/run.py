@@ -8,10 +8,10 @@ from kvscope.tour.driver import TourDriver, TourOptions
 
 def make_tour_app(options: TourOptions, *, chapter: int = 1, palette: str = "default", auto_tick: bool = True):
     """The app and its driver; the driver starts when the app mounts (tests drive it with Pilot)."""
-    from kvscope.tui.tour_app import TourApp
+    from kvscope.tui.tour_app import tour_app
 
     driver = TourDriver(CHAPTERS, options, start_chapter=chapter)
-    return TourApp(driver, palette=palette, auto_tick=auto_tick), driver
+    return tour_app(driver, palette=palette, auto_tick=auto_tick), driver
 
 
 def run_tour(options: TourOptions, *, chapter: int = 1, palette: str = "default") -> str | None:

@@ -8,9 +8,9 @@ and writes OUTDIR/KEY[-BEAT].svg. Prints one line per moment: seconds since star
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
+import sys
 import time
 
 SIZE = (120, 40)
@@ -47,15 +47,17 @@ async def shoot(outdir: str, options) -> float:
 def main() -> None:
     from kvscope.tour.driver import TourOptions
 
-    p = argparse.ArgumentParser(prog="python -m kvscope.tour.screenshots")
-    p.add_argument("outdir")
-    p.add_argument("--sim", action="store_true")
-    p.add_argument("--step-ms", type=float, default=0.0)
-    args = p.parse_args()
-    os.makedirs(args.outdir, exist_ok=True)
-    options = TourOptions(sim_gpu="h100-sxm5" if args.sim else None, step_ms=args.step_ms,
-                          device="auto" if args.sim else "cpu")
-    total = asyncio.run(shoot(args.outdir, options))
+    # a developer script (the docs' screenshots), so a plain argv: OUTDIR [--sim] [--step-ms MS]
+    args = sys.argv[1:]
+    sim = "--sim" in args
+    step_ms = float(args[args.index("--step-ms") + 1]) if "--step-ms" in args else 0.0
+    outdir = next((a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--step-ms")),
+                  None)
+    if outdir is None:
+        raise SystemExit(__doc__.strip().splitlines()[2].strip())
+    os.makedirs(outdir, exist_ok=True)
+    options = TourOptions(sim_gpu="h100-sxm5" if sim else None, step_ms=step_ms, device="auto" if sim else "cpu")
+    total = asyncio.run(shoot(outdir, options))
     print(f"{total:6.1f} s  the whole tour")
 
 

@@ -26,6 +26,8 @@ class TourControls(Protocol):
     @property
     def status(self) -> Any: ...  # kvscope.tour.driver.TourStatus
 
+    def start(self) -> None: ...
+
     def next(self) -> None: ...
 
     def replay(self) -> None: ...
@@ -34,6 +36,11 @@ class TourControls(Protocol):
 
 
 class TourScreen(DashboardScreen):
+    DEFAULT_CSS = f"""
+    TourScreen .{LOOK_CLASS} {{
+        outline: heavy $warning;
+    }}
+    """
     BINDINGS = [
         Binding("right", "tour_next", "Next", priority=True),
         Binding("left", "tour_replay", "Replay chapter", priority=True),
@@ -53,6 +60,10 @@ class TourScreen(DashboardScreen):
 
     def compose_extra(self) -> ComposeResult:
         yield CaptionPanel(id="caption")
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.tour.start()  # the engine starts once the screen is there to show it
 
     def draw_key(self) -> tuple:
         return (self.selected, self.tour.status.serial)
