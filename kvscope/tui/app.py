@@ -27,9 +27,9 @@ from kvscope.tui.screens.base import FeedView
 
 MAX_FPS = 30.0
 STARTUP_LOG_ENV = "KVSCOPE_STARTUP_LOG"  # a file: "first-draw T" and "first-step T" (unix times) are appended
-First = Literal["dashboard", "overview", "compare", "vllm"]
+First = Literal["dashboard", "overview", "compare", "vllm", "tour"]
 TITLES = {"dashboard": "kvscope", "overview": "kvscope · engines", "compare": "kvscope compare",
-          "vllm": "kvscope · vLLM"}
+          "vllm": "kvscope · vLLM", "tour": "kvscope tour"}
 
 
 class KvscopeApp(App):
@@ -117,6 +117,12 @@ class KvscopeApp(App):
 
             assert self.player is not None, "compare needs a player"
             return CompareScreen([f for f in self.feeds if isinstance(f, ReplayFeed)], self.player, self.notes)
+        if self.first == "tour":
+            from kvscope.tui.feeds.tour import TourFeed
+            from kvscope.tui.screens.tour import TourScreen
+
+            assert isinstance(feed, TourFeed), "the tour needs its feed"
+            return TourScreen(feed, feed.driver)
         if self.first == "vllm" or isinstance(feed, VllmFeed):
             from kvscope.tui.screens.vllm import VllmReplayScreen, VllmScreen
 
