@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import add_palette
+from kvscope.cli.common import add_palette, add_slo_args, slo_from_args
 
 
 class Replay(Command):
@@ -14,10 +14,11 @@ class Replay(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("file")
+        add_slo_args(p, cost=False, recorded=True)
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.launch import run_replay
 
-        run_replay(args.file, palette=args.palette)
+        run_replay(args.file, palette=args.palette, slo=slo_from_args(args) or None)
         return 0

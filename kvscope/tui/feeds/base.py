@@ -120,13 +120,13 @@ class EventFeed:
     loading: str | None = None  # a progress line while an engine this view started loads (LiveFeed)
 
     def __init__(self, source: Any, *, name: str = "", address: str = "",
-                 diagnosis_window: int = DIAGNOSIS_WINDOW) -> None:
+                 diagnosis_window: int = DIAGNOSIS_WINDOW, slo: Any = None) -> None:
         from kvscope.analysis.signals import StepLog
 
         self.source = source
         self.name = name
         self.address = address
-        self.state = new_state(conn=self._connection())
+        self.state = new_state(conn=self._connection(), slo_override=slo)  # slo: --slo, else the run's own
         self.log = StepLog(window=diagnosis_window)  # the `d` panel's sliding window of steps
         self.events_applied = 0
         self.spark = Spark()
