@@ -111,6 +111,16 @@ def slo_of(info: Any) -> Slo:
     return Slo(**out)
 
 
+def slo_of_flat(config: dict | None) -> Slo:
+    """The SLO in a flat hello.config map (``slo_ttft_ms``...; EngineInfo.as_dict())."""
+    out = {}
+    for k in SLO_KEYS:
+        v = (config or {}).get(f"{WIRE_PREFIX}{k}_ms")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= MAX_SLO_MS:
+            out[f"{k}_ms"] = float(v)
+    return Slo(**out)
+
+
 def resolve_slo(override: Slo | None, info: Any = None) -> Slo:
     """The SLO a view judges by: the command line's when given, else the one the trace recorded."""
     return override if override else slo_of(info)
