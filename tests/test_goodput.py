@@ -7,6 +7,7 @@ traces are then replayed through the dashboard's state, the report's row tally a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -248,3 +249,35 @@ def test_hostile_slo_in_a_hello_is_refused_by_the_decoder():
         decode(msgspec.msgpack.encode(hello))
     hello["config"]["slo_ttft_ms"] = 500.0
     assert decode(msgspec.msgpack.encode(hello)).config.slo.ttft_ms == 500.0
+
+
+# ---- the screens --------------------------------------------------------------------------------
+def test_header_and_request_detail_show_goodput(raced):
+    asyncio.run(_header_and_detail(raced))
+
+
+async def _header_and_detail(raced):
+    from kvscope.tui import fmt
+    from kvscope.tui.launch import make_replay_app
+    from kvscope.tui.screens import RequestDetailScreen
+    from kvscope.tui.widgets import HeaderBar
+    from kvscope.tui.widgets.request import RequestSummary
+
+    row = next(r for r in raced["rows"] if r["name"] == "static")
+    app = make_replay_app(row["trace"], playing=False, index_in_background=False, slo=parse_slo("tpot:25"),
+                          auto_tick=False)
+    feed = app.feeds[0]
+    async with app.run_test(size=(160, 40)) as pilot:
+        feed.cursor.seek(feed.cursor.steps[-1])
+        while app.pump():
+            pass
+        await pilot.pause()
+        fig = feed.state.goodput.figures()
+        text = app.screen.query_one(HeaderBar).render().plain
+        assert f"goodput {fmt.rate(fig.goodput_tok_per_s)}/{fmt.rate(fig.output_tok_per_s)} tok/s" in text
+        assert f"tpot {fig.met['tpot'] * 100:.0f}%" in text
+        missed = next(r for r in feed.state.finished.values() if r.judgement is not None and not r.judgement.good)
+        app.push_screen(RequestDetailScreen(feed, missed.req))
+        await pilot.pause()
+        detail = " ".join(w.render().plain for w in app.screen.query(RequestSummary))
+        assert "SLO missed (tpot +" in detail

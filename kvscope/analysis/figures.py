@@ -29,7 +29,7 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     return float(np.partition(arr, rank - 1)[rank - 1])
 
 
-class RunFigures(msgspec.Struct, kw_only=True):
+class RunFigures(msgspec.Struct, kw_only=True, omit_defaults=True):  # no SLO: no goodput keys
     output_tok_per_s: float
     ttft_p50_s: float | None
     ttft_p99_s: float | None
