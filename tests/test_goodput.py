@@ -281,3 +281,18 @@ async def _header_and_detail(raced):
         await pilot.pause()
         detail = " ".join(w.render().plain for w in app.screen.query(RequestSummary))
         assert "SLO missed (tpot +" in detail
+
+
+def test_a_trace_written_with_the_largest_slo_reads_back(tmp_path):
+    from kvscope.analysis.goodput import MAX_SLO_MS, slo_of
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.traces.reader import TraceReader
+    from kvscope.traces.writer import TraceWriter
+
+    engine = LLMEngine(EngineConfig(**SIM))
+    engine.hello_extra = parse_slo([f"ttft:{MAX_SLO_MS:g}", "e2el:0"]).to_wire()
+    path = str(tmp_path / "t.kvtrace")
+    TraceWriter(path, engine.hello(), snapshot_provider=engine.snapshot).close()
+    assert slo_of(TraceReader(path).hello.config).describe() == "ttft:1e+09 e2el:0"
+    with pytest.raises(SloError):
+        parse_slo(f"ttft:{MAX_SLO_MS * 1.01:g}")  # what the reader would refuse never reaches the writer
