@@ -296,3 +296,29 @@ def test_a_trace_written_with_the_largest_slo_reads_back(tmp_path):
     assert slo_of(TraceReader(path).hello.config).describe() == "ttft:1e+09 e2el:0"
     with pytest.raises(SloError):
         parse_slo(f"ttft:{MAX_SLO_MS * 1.01:g}")  # what the reader would refuse never reaches the writer
+
+
+def test_compare_strip_and_columns_show_goodput_and_cost(raced):
+    asyncio.run(_compare(raced))
+
+
+async def _compare(raced):
+    from kvscope.tui.compare_app import make_compare_app
+    from kvscope.tui.widgets.run_column import RunNumbers
+
+    paths = [r["trace"] for r in raced["rows"]]
+    app = make_compare_app(paths, clock=lambda: 100.0, auto_tick=False, slo=parse_slo("tpot:25"), cost_per_hour=2.0)
+    async with app.run_test(size=(200, 45)) as pilot:
+        for feed in app.feeds:
+            feed.cursor.seek(feed.cursor.steps[-1])
+        while app.pump():
+            pass
+        await pilot.pause()
+        strip = app.screen.query_one("#compare-summary").render().plain
+        assert "goodput" in strip and "SLO met" in strip and "$/Mtok" in strip
+        for run in (f.run for f in app.feeds):
+            assert run.figures["slo"] == "tpot:25" and run.figures["usd_per_mtok"] > 0
+        numbers = app.screen.query_one("#run-numbers-0", RunNumbers).render().plain
+        assert " good " in numbers
+        st = app.feeds[0].state
+        assert st.goodput.good_tokens == app.feeds[0].run.figures["good_tokens"]

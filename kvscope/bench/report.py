@@ -88,7 +88,9 @@ def ranking_lines(result: dict[str, Any]) -> list[str]:
                    f"(at ${priced[0]['cost_per_hour']:g}/hour)")
         good = [r for r in priced if r.get("usd_per_mgood") is not None]
         if judged and good:
-            out.append(f"ranked by $/Mgood: {names(sorted(good, key=lambda r: r['usd_per_mgood']))}")
+            none = [r["name"] for r in priced if r.get("usd_per_mgood") is None and r.get("slo")]
+            out.append(f"ranked by $/Mgood: {names(sorted(good, key=lambda r: r['usd_per_mgood']))}"
+                       + (f" (no good request: {', '.join(none)})" if none else ""))
         best, worst = min(priced, key=lambda r: r["usd_per_mtok"]), max(priced, key=lambda r: r["usd_per_mtok"])
         if best is not worst:
             out.append(f"{best['name']} serves {best['output_tok_per_s'] / worst['output_tok_per_s']:.1f}x the tokens "
