@@ -161,6 +161,11 @@ def diagnosis_section(inp: Input) -> str:
     if secondary:
         parts.append("<p>Runners-up: " + "; ".join(f"<code>{_e(s.get('bottleneck'))}</code> ({_num(s.get('score'))}): "
                                                    f"{_e(s.get('evidence', ''))}" for s in secondary) + "</p>")
+    if isinstance(d.get("slo"), str) and d.get("slo"):  # diagnosed against an SLO (docs/GOODPUT.md)
+        findings = [f for f in d.get("slo_findings") or [] if isinstance(f, str)][:16]
+        parts.append(f"<p><b>SLO <code>{_e(d['slo'])}</code></b>: knobs ranked by predicted goodput; one its "
+                     "what-if predicts lower goodput for is refused</p>"
+                     + "".join(f"<p class=\"meta\">{_e(f)}</p>" for f in findings))
     knobs = [k for k in d.get("knobs") or [] if isinstance(k, dict)][:MAX_KNOBS]
     baseline = (d.get("what_if") or {}).get("baseline") if isinstance(d.get("what_if"), dict) else None
     if knobs:
@@ -168,8 +173,10 @@ def diagnosis_section(inp: Input) -> str:
         for k in knobs:
             p = k.get("predicted") if isinstance(k.get("predicted"), dict) else {}
             rows.append([f"<code>{_e(k.get('flag'))}</code>", _e(k.get("from")), _e(k.get("to")), _e(k.get("why", "")),
-                         _num(p.get("output_tok_per_s")), _num(p.get("ttft_p99_s")), _num(p.get("itl_p99_s"))])
-        parts.append(_table(["knob", "from", "to", "why", "predicted tok/s", "TTFT p99 s", "ITL p99 s"], rows))
+                         _num(p.get("output_tok_per_s")), _num(p.get("ttft_p99_s")), _num(p.get("itl_p99_s"))]
+                        + ([_num(p.get("goodput_tok_per_s"))] if d.get("slo") else []))
+        parts.append(_table(["knob", "from", "to", "why", "predicted tok/s", "TTFT p99 s", "ITL p99 s"]
+                            + (["predicted goodput tok/s"] if d.get("slo") else []), rows))
         if isinstance(baseline, dict) and any(k.get("predicted") for k in knobs):
             parts.append(_figure(plots.knob_predictions(baseline, knobs), "predicted by re-running the trace's "
                                  "requests in the sim", f"knobs-{_slug(inp.path)}"))
