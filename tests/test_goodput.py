@@ -322,3 +322,17 @@ async def _compare(raced):
         assert " good " in numbers
         st = app.feeds[0].state
         assert st.goodput.good_tokens == app.feeds[0].run.figures["good_tokens"]
+
+
+def test_a_knob_that_wins_throughput_and_loses_goodput_is_refused_only_with_an_slo():
+    from kvscope.analysis.diagnose import diagnose_trace
+
+    path = os.path.join(ROOT, "traces", "race-lesson", "C-continuous.kvtrace")
+    plain = diagnose_trace(path)
+    assert plain.knobs[0].flag == "--gpu-memory-utilization" and not plain.slo
+    d = diagnose_trace(path, slo=parse_slo("tpot:70"))
+    assert "--gpu-memory-utilization" not in [k.flag for k in d.knobs]
+    refused = next(r for r in d.refusals if r.startswith("not recommended: --gpu-memory-utilization"))
+    assert "would raise tok/s" in refused
+    gmu = next(k for k in plain.knobs if k.flag == "--gpu-memory-utilization")
+    assert gmu.predicted.output_tok_per_s > gmu.baseline.output_tok_per_s
