@@ -336,3 +336,23 @@ def test_a_knob_that_wins_throughput_and_loses_goodput_is_refused_only_with_an_s
     assert "would raise tok/s" in refused
     gmu = next(k for k in plain.knobs if k.flag == "--gpu-memory-utilization")
     assert gmu.predicted.output_tok_per_s > gmu.baseline.output_tok_per_s
+
+
+def test_overview_row_shows_goodput_beside_tok_s(raced):
+    from kvscope.tui.feeds import ReplayFeed
+    from kvscope.tui.screens.overview import row_cells
+    from kvscope.tui.sources import ReplayController, open_trace
+
+    trace = open_trace(raced["rows"][0]["trace"])
+    cursor = ReplayController(trace, playing=False, slo=parse_slo("e2el:1e6"))
+    feed = ReplayFeed(cursor, name="a", slo=parse_slo("e2el:1e6"))
+    cursor.seek(cursor.steps[-1])
+    while feed.pump(time.monotonic()):
+        pass
+    row = feed.row()
+    assert row.goodput_tok_per_s == pytest.approx(feed.state.goodput.figures().output_tok_per_s)  # all good
+
+    class Pal:
+        ok = bad = warn = bar = "white"
+
+    assert "(good " in str(row_cells(row, Pal)[5])

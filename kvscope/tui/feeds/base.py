@@ -61,6 +61,7 @@ class EngineRow:
     preemptions: int | None
     spark: list[float] = field(default_factory=list)
     health: FeedHealth | None = None
+    goodput_tok_per_s: float | None = None  # with an SLO: the run's goodput (docs/GOODPUT.md)
 
 
 class EngineControls(Protocol):
@@ -204,6 +205,7 @@ class EventFeed:
             ttft_p99_s=st.ttft.quantile(0.99) if st.ttft.n else None,
             itl_p99_s=st.itl.quantile(0.99) if st.itl.n else None,
             preemptions=st.preemption_count, spark=list(self.spark.points), health=self.health(),
+            goodput_tok_per_s=st.goodput.figures().goodput_tok_per_s if st.goodput.slo else None,
         )
 
     def close(self) -> None:
