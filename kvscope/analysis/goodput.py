@@ -280,21 +280,24 @@ def usd_per_mtok(cost_per_hour: float | None, tok_per_s: float | None) -> float 
 
 
 def row_fields(fig: GoodputFigures, cost_per_hour: float | None = None) -> dict[str, Any]:
-    """The keys a bench/race/report row gains (bench --json rows, docs/GOODPUT.md)."""
-    out: dict[str, Any] = {
-        "slo": fig.slo,
-        "goodput_tok_per_s": fig.goodput_tok_per_s,
-        "good_req_per_s": fig.good_req_per_s,
-        "good_requests": fig.good_requests,
-        "good_tokens": fig.good_tokens,
-        "judged_requests": fig.requests,
-        "slo_attainment": fig.attainment,
-        "slo_met": fig.met,
-    }
+    """The keys a bench/race/report row gains (bench --json rows, docs/GOODPUT.md): the goodput keys with
+    an SLO only (without one there is no goodput, as in vLLM), the cost keys with a price only."""
+    out: dict[str, Any] = {}
+    if fig.slo:
+        out.update({
+            "slo": fig.slo,
+            "goodput_tok_per_s": fig.goodput_tok_per_s,
+            "good_req_per_s": fig.good_req_per_s,
+            "good_requests": fig.good_requests,
+            "good_tokens": fig.good_tokens,
+            "judged_requests": fig.requests,
+            "slo_attainment": fig.attainment,
+            "slo_met": fig.met,
+        })
     if cost_per_hour is not None:
         out["cost_per_hour"] = cost_per_hour
         out["usd_per_mtok"] = usd_per_mtok(cost_per_hour, fig.output_tok_per_s)
-        out["usd_per_mgood"] = usd_per_mtok(cost_per_hour, fig.goodput_tok_per_s)
+        out["usd_per_mgood"] = usd_per_mtok(cost_per_hour, fig.goodput_tok_per_s) if fig.slo else None
     return out
 
 

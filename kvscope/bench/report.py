@@ -61,8 +61,9 @@ def goodput_columns(rows_in: Sequence[dict], header: tuple, rows: list) -> tuple
         rows = [(*row, "-" if r.get("goodput_tok_per_s") is None else f"{r['goodput_tok_per_s']:.1f}",
                  fmt_share(r.get("slo_attainment"))) for row, r in zip(rows, rows_in)]
     if any(r.get("usd_per_mtok") is not None for r in rows_in):
-        header += ("$/Mtok", "$/Mgood")
-        rows = [(*row, fmt_usd(r.get("usd_per_mtok")), fmt_usd(r.get("usd_per_mgood")))
+        judged = any(r.get("slo") for r in rows_in)
+        header += ("$/Mtok", "$/Mgood") if judged else ("$/Mtok",)
+        rows = [(*row, fmt_usd(r.get("usd_per_mtok")), *((fmt_usd(r.get("usd_per_mgood")),) if judged else ()))
                 for row, r in zip(rows, rows_in)]
     return header, rows
 

@@ -160,7 +160,7 @@ def _serve(args, config, publisher, control, front) -> int:
                 if sink is not publisher:  # run() closes the publisher, which it opened
                     sink.close()
     print(summary_table(summary))
-    good = row_fields(goodput.figures(summary.duration_s), args.cost_per_hour) if slo or args.cost_per_hour else {}
+    good = row_fields(goodput.figures(summary.duration_s), args.cost_per_hour)
     for line in goodput_lines(good, summary.output_tok_per_s):
         print(line)
     if args.json:
