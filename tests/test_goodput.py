@@ -130,6 +130,11 @@ def test_two_slos_two_goodputs_and_every_view_agrees_to_the_request(raced):
             (rep["good_requests"], rep["good_tokens"], rep["judged_requests"])
         assert dash.goodput_tok_per_s == pytest.approx(rep["goodput_tok_per_s"], rel=1e-9)
         seen.add(rep["good_requests"])
+        from kvscope.report.series import read_trace  # `kvscope report`'s own pass over the trace
+
+        page = read_trace(row["trace"], "A", slo).figures()
+        assert (page["slo"], page["good_requests"], page["good_tokens"]) == (dash.slo, dash.good_requests,
+                                                                             dash.good_tokens)
         if slo is None:  # bench's row (race runs bench's function) judged the same requests
             assert (row["good_requests"], row["good_tokens"]) == (rep["good_requests"], rep["good_tokens"])
             assert row["goodput_tok_per_s"] == pytest.approx(rep["goodput_tok_per_s"], rel=1e-9)

@@ -256,13 +256,6 @@ class GoodputTally:
         )
 
 
-def tally_records(records: Iterable[tuple[RequestRecord, float | None]], slo: Slo) -> GoodputTally:
-    t = GoodputTally(slo)
-    for rec, end in records:
-        t.add(rec, end)
-    return t
-
-
 # ---------------------------------------------------------------------------------- cost
 def check_cost_per_hour(value: float | None) -> float | None:
     if value is None:

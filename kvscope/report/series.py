@@ -162,6 +162,7 @@ class RunSeries:
     notices: list[str] = field(default_factory=list)
     t_end: float = 0.0
     goodput: GoodputTally = field(default_factory=GoodputTally)  # finish records against the SLO (docs/GOODPUT.md)
+    cost_per_hour: float | None = None  # --cost-per-hour: $ per million tokens in the runs table
     out_of_range: int = 0  # steps, arrivals and latency samples left out (times beyond MAX_SECONDS)
 
     @property
@@ -181,8 +182,6 @@ class RunSeries:
                 "ttft_p50_s": p(self.ttft, 0.5), "ttft_p99_s": p(self.ttft, 0.99),
                 "itl_p50_s": p(self.itl, 0.5), "itl_p99_s": p(self.itl, 0.99), "preemptions": self.preemptions,
                 **row_fields(self.goodput.figures(span), self.cost_per_hour)}
-
-    cost_per_hour: float | None = None
 
 
 def fold(run: RunSeries, events: Iterable) -> RunSeries:
@@ -268,8 +267,7 @@ def read_trace(path: str, label: str, slo: Slo | None = None, cost_per_hour: flo
     policy = str(as_dict.get("policy") or "")
     name = mode + (f" / {policy}" if policy and policy != "fcfs" else "")
     run = RunSeries(path=path, label=label, name=name or os.path.basename(path), config=as_dict,
-                    goodput=GoodputTally(resolve_slo(slo, config)))
-    run.cost_per_hour = cost_per_hour
+                    goodput=GoodputTally(resolve_slo(slo, config)), cost_per_hour=cost_per_hour)
     try:
         fold(run, reader)
     except ProtocolError as e:
