@@ -7,8 +7,8 @@ import os
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, add_palette, check_output_path, engine_args, engine_config,
-                                explicit_sim_overrides, workload_args, write_json)
+from kvscope.cli.common import (UsageError, add_palette, add_slo_args, check_output_path, engine_args,
+                                engine_config, explicit_sim_overrides, slo_from_args, workload_args, write_json)
 from kvscope.cli.compare import add_playback
 
 
@@ -31,6 +31,7 @@ class Race(Command):
         p.add_argument("--no-tui", action="store_true", help="print the table (and --json) instead of opening compare")
         p.add_argument("--json", metavar="FILE", help="write the rows as JSON (bench's shape)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_slo_args(p)
         add_playback(p)
         add_palette(p)
 
@@ -51,8 +52,11 @@ class Race(Command):
                                   kind="kvtrace")
         where = "sim backend" if sim else f"{device}, one run after another"
         print(f"kvscope race: {len(runs)} runs of {len(items)} requests ({where})", file=sys.stderr)
-        rows = run_race(runs, items, args.out, sim=sim, progress=not args.no_progress)
-        result = race_result(runs, rows, items, device, sim=sim, workload=workload)
+        from kvscope.bench.harness import add_cost
+
+        slo = slo_from_args(args)
+        rows = run_race(runs, items, args.out, sim=sim, progress=not args.no_progress, slo=slo)
+        result = add_cost(race_result(runs, rows, items, device, sim=sim, workload=workload), args.cost_per_hour)
         if args.json:
             write_json(args.json, result)
         if args.no_tui:
@@ -63,7 +67,7 @@ class Race(Command):
         note = ("sim runs: virtual clocks, replayed together" if sim else
                 "runs took turns on this machine (never at once, so each had the cores to itself); replayed in sync")
         app = make_compare_app(result["traces"], align=args.align, speed=args.speed, palette=args.palette,
-                               notes=[note])
+                               notes=[note], slo=slo, cost_per_hour=args.cost_per_hour)
         app.run()
         return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import add_palette, float_type
+from kvscope.cli.common import add_palette, add_slo_args, float_type, slo_from_args
 
 
 class Replay(Command):
@@ -16,10 +16,12 @@ class Replay(Command):
         p.add_argument("file")
         p.add_argument("--speed", type=float_type(0.1, 100.0), default=1.0, help="playback speed, 0.1-100 (default: 1)")
         p.add_argument("--paused", action="store_true", help="start paused")
+        add_slo_args(p, cost=False, recorded=True)
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.launch import run_replay
 
-        run_replay(args.file, palette=args.palette, speed=args.speed, paused=args.paused)
+        run_replay(args.file, palette=args.palette, speed=args.speed, paused=args.paused,
+                   slo=slo_from_args(args) or None)
         return 0

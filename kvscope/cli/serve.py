@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, check_address, check_output_path, engine_args, engine_config,
-                                float_type, int_type, open_socket, progress_bar, workload_args, write_json)
+from kvscope.cli.common import (UsageError, add_slo_args, check_address, check_output_path, engine_args, engine_config,
+                                float_type, int_type, open_socket, progress_bar, slo_from_args, workload_args,
+                                write_json)
 from kvscope.cli.stop_signals import StopSignals
 
 
@@ -41,6 +42,7 @@ class Serve(Command):
                        help="map: vLLM 0.26 and later; array: older releases (default: map)")
         p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_slo_args(p)
         h = p.add_argument_group("HTTP API (docs/HTTP.md) and Prometheus metrics (docs/METRICS.md)")
         h.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI API, e.g. 127.0.0.1:8000 (synthetic "
                        "traffic then runs only with --forever)")
@@ -99,7 +101,12 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.engine.metrics import summary_table
     from kvscope.serve.driver import ServeOptions, Server
 
+    from kvscope.analysis.goodput import GoodputTally, RequestRecord, row_fields
+    from kvscope.engine.telemetry import finish_record
+
     engine = LLMEngine(config)
+    slo = slo_from_args(args)
+    engine.hello_extra = slo.to_wire()  # in the trace and on /metrics (docs/GOODPUT.md)
     print(f"kvscope: {engine.describe_model()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
@@ -130,8 +137,10 @@ def _serve(args, config, publisher, control, front) -> int:
                            max_waiting=args.max_waiting)
     progress = progress_bar(not args.no_progress, total=_total_requests(options), desc=f"{engine.config.mode}")
     reason = "drained"
+    goodput = GoodputTally(slo)
     server = Server(engine, options, control=control, on_progress=progress.update,
-                    inbox=front.bridge if front else None)
+                    inbox=front.bridge if front else None,
+                    on_finished=lambda req: goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time))
     # Ctrl-C and SIGTERM end serve alike (the summary prints, the trace gets its index); the loop also
     # checks the flag, so a stop whose KeyboardInterrupt Python swallowed still ends the run
     signals = StopSignals(server.stop)
@@ -154,9 +163,29 @@ def _serve(args, config, publisher, control, front) -> int:
                 if sink is not publisher:  # run() closes the publisher, which it opened
                     sink.close()
     print(summary_table(summary))
+    good = row_fields(goodput.figures(summary.duration_s), args.cost_per_hour)
+    for line in goodput_lines(good, summary.output_tok_per_s):
+        print(line)
     if args.json:
-        write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": summary.to_dict()})
+        write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": {**summary.to_dict(), **good}})
     return 0
+
+
+def goodput_lines(good: dict, tok_per_s: float) -> list[str]:
+    """The summary's goodput and cost lines (row_fields' keys), aligned with summary_table's."""
+    from kvscope.analysis.goodput import fmt_share, fmt_usd
+
+    out = []
+    if good.get("slo"):
+        met = " ".join(f"{k} {fmt_share(v)}" for k, v in good["slo_met"].items())
+        out.append(f"{'goodput tok/s':<21}  {good['goodput_tok_per_s']:.1f} of {tok_per_s:.1f} "
+                   f"(SLO {good['slo']}: {good['good_requests']}/{good['judged_requests']} good; met {met})")
+    if good.get("usd_per_mtok") is not None:
+        line = f"{'$ per Mtok':<21}  {fmt_usd(good['usd_per_mtok'])}"
+        if good.get("slo"):
+            line += f" output, {fmt_usd(good.get('usd_per_mgood'))} goodput"
+        out.append(line + f" (at ${good['cost_per_hour']:g}/hour)")
+    return out
 
 
 def _total_requests(options) -> int | None:

@@ -83,6 +83,9 @@ class LLMEngine:
         # swap-out / copy-on-write / swap-in copies, applied before each forward
         self.swapper = self.backend.make_swapper(self.runner, num_cpu_blocks)
         self.sink: EventSink | None = None
+        # hello.config keys the engine does not own but its run carries (the SLO: slo_ttft_ms, ...);
+        # set by the command before a sink is attached (docs/GOODPUT.md)
+        self.hello_extra: dict = {}
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot_t = 0.0
@@ -121,6 +124,7 @@ class LLMEngine:
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
         config = self.backend.hello_config(config)
+        config.update(self.hello_extra)
         # in the order hello.config goes on the wire (docs/PROTOCOL.md)
         ordered = {k: config[k] for k in WIRE_ORDER if k in config}
         return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)

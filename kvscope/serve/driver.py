@@ -35,12 +35,14 @@ def reserved_top_ids(vocab: int, eos_token_ids: frozenset[int]) -> int:
 
 class Server:
     def __init__(self, engine: LLMEngine, options: ServeOptions, control=None,
-                 on_progress: Callable[[int], None] | None = None, inbox=None) -> None:
+                 on_progress: Callable[[int], None] | None = None, inbox=None,
+                 on_finished: Callable[[Request], None] | None = None) -> None:
         self.engine = engine
         self.options = options
         self.control = control
         self.inbox = inbox  # kvscope.serve.bridge.EngineBridge: HTTP requests (poll / wait / after_step)
         self.on_progress = on_progress
+        self.on_finished = on_finished  # each finished request, after the metrics took it (bench's goodput)
         self.metrics = MetricsCollector()
         self.paused = False
         self.stopping = False  # the control socket's stop
@@ -210,6 +212,8 @@ class Server:
 
     def _finished(self, req: Request) -> None:
         self.metrics.add(req)
+        if self.on_finished is not None:
+            self.on_finished(req)
         if self.on_progress is not None:
             self.on_progress(1)
 

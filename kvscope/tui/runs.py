@@ -14,6 +14,7 @@ from typing import Any, Callable
 import bisect
 from array import array
 
+from kvscope.analysis.goodput import resolve_slo
 from kvscope.protocol.events import RequestEvent, StepEvent
 from kvscope.traces.figures import RowTally
 from kvscope.traces.reader import engine_trace
@@ -82,7 +83,8 @@ def differing_knobs(runs: list[Run]) -> list[str]:
     return out
 
 
-def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
+def load_run(path: str, label: str, *, clock: Callable[[], float], slo=None,
+             cost_per_hour: float | None = None) -> Run:
     """Open a trace; one pass for its figures and arrivals, then a paused controller."""
     from kvscope.protocol.codec import ProtocolError
     from kvscope.tui.sources import ReplayController
@@ -91,7 +93,7 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     try:
         trace = engine_trace(path, "compare")
         run.config = trace.hello.config.as_dict()
-        acc = RowTally(_int(run.config.get("block_size"), 16))
+        acc = RowTally(_int(run.config.get("block_size"), 16), resolve_slo(slo, trace.hello.config), cost_per_hour)
         prompt_tokens = max_tokens = 0
         first = None
         seen: set[int] = set()
@@ -117,7 +119,7 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
         run.first_arrival = first
         run.workload = (len(seen), prompt_tokens, max_tokens)
         run.warnings = list(getattr(trace, "warnings", []) or [])
-        run.controller = ReplayController(trace, playing=False, clock=clock)
+        run.controller = ReplayController(trace, playing=False, clock=clock, slo=slo)
         # Forward moves always apply every event, as live did, so the figures "so far" hold;
         # only a move back starts again from a snapshot.
         run.controller.FORWARD_LIMIT = 1 << 62

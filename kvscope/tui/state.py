@@ -49,6 +49,7 @@ from typing import Any
 
 from msgspec import UNSET
 
+from kvscope.analysis.goodput import RequestRecord
 from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     FINISHED,
@@ -123,6 +124,7 @@ class ReqView:
     known: bool = True  # False: seen in a queue before any request/snapshot record
     prompt_text: str = ""  # real-tokenizer models only (RequestEvent.prompt_text)
     output_text: str = ""  # the completion as it grows (StepEvent.text), whole once finished (outputs)
+    judgement: Any = None  # against the SLO once finished (kvscope.analysis.goodput.Judgement)
     log: deque = field(default_factory=lambda: deque(maxlen=LOG_LEN))
 
 
@@ -186,14 +188,20 @@ class TuiState:
     snapshots: int = 0
     restarts: int = 0
     ended: str | None = None  # bye reason
+    # goodput (docs/GOODPUT.md): finish records judged against slo_override (--slo) or the hello's SLO
+    slo_override: Any = None  # kvscope.analysis.goodput.Slo, kept across engine restarts
+    goodput: Any = None  # GoodputTally
 
     def __post_init__(self) -> None:
+        from kvscope.analysis.goodput import GoodputTally, resolve_slo
         from kvscope.tui.histogram import LogHistogram
 
         if self.ttft is None:
             self.ttft = LogHistogram(1e-3, 1e3, 6)
         if self.itl is None:
             self.itl = LogHistogram(1e-4, 1e2, 6)
+        if self.goodput is None:
+            self.goodput = GoodputTally(resolve_slo(self.slo_override, self.config))
         if not self.blocks.owner and self.config is not None and self.config.num_blocks:
             _claim_pool(self, self.config.num_blocks, reset=True)
 
@@ -252,8 +260,18 @@ class TuiState:
 
 
 # ---------------------------------------------------------------------------------
-def new_state(config: EngineInfo | None = None, conn: str = CONN_CONNECTING) -> TuiState:
-    return TuiState(config=config, conn=conn)
+def new_state(config: EngineInfo | None = None, conn: str = CONN_CONNECTING, slo_override: Any = None) -> TuiState:
+    return TuiState(config=config, conn=conn, slo_override=slo_override)
+
+
+def set_slo_override(state: TuiState, slo: Any) -> TuiState:
+    """Judge goodput by ``slo`` (--slo) instead of the SLO the run recorded; before any event is folded."""
+    from kvscope.analysis.goodput import GoodputTally, resolve_slo
+
+    state.slo_override = slo
+    state.goodput = GoodputTally(resolve_slo(slo, state.config))
+    state.version += 1
+    return state
 
 
 def set_connection(state: TuiState, conn: str) -> TuiState:
@@ -300,6 +318,9 @@ def reduce(state: TuiState, event: Any) -> TuiState:
         state.ttft.merge(event.ttft)
         state.itl.clear()
         state.itl.merge(event.itl)
+        goodput = getattr(event, "goodput", None)
+        if goodput is not None and goodput.slo == state.goodput.slo:
+            state.goodput = goodput.copy()
     else:
         return state
     state.version += 1
@@ -324,12 +345,16 @@ def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
         # keep what we have, learn the config.
         state.config = ev.config
         state.wall_start = ev.wall_start
+        if state.goodput.requests == 0:  # the SLO the run recorded, unless --slo overrides it
+            from kvscope.analysis.goodput import resolve_slo
+
+            state.goodput.slo = resolve_slo(state.slo_override, ev.config)
         _claim_pool(state, ev.config.num_blocks or 0)
         if state.steps_seen == 0 and state.snapshots == 0:
             state.synced = True
         state.version += 1
         return state
-    fresh = new_state(ev.config, conn=state.conn)
+    fresh = new_state(ev.config, conn=state.conn, slo_override=state.slo_override)
     fresh.wall_start = ev.wall_start
     fresh.synced = True
     fresh.dropped = state.dropped
@@ -554,6 +579,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
     texts = {o.req: o.text for o in ev.outputs} if ev.outputs is not UNSET else {}
     for f in ev.finished:
         state.finished_count += 1
+        judgement = state.goodput.add(RequestRecord.of_finish(f), t_end)
         r = state.requests.get(f.req)
         if r is None:
             continue
@@ -562,6 +588,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         r.e2e = f.e2e
         r.output_len = f.output_len
         r.finish_reason = f.reason
+        r.judgement = judgement
         r.output_text = texts.get(f.req, r.output_text)
         r.end_t = t_end
         r.log.append(LogEntry(LOG_FINISH, step, t_end, note=f.reason))

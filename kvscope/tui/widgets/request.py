@@ -94,6 +94,13 @@ class RequestSummary(RequestWidget):
             l3.append(f" · e2e {fmt.latency(r.e2e)}")
         if r.preemptions:
             l3.append(f" · preempted {r.preemptions}×", style=f"bold {pal.warn}")
+        j = r.judgement
+        if j is not None and j.checks:  # against the SLO (docs/GOODPUT.md): met, or missed and by how much
+            if j.good:
+                l3.append(" · SLO met", style=f"bold {pal.ok}")
+            else:
+                why = ", ".join(f"{k} +{fmt.latency(v - t)}" for k, v, t in j.missed) or "ended early"
+                l3.append(f" · SLO missed ({why})", style=f"bold {pal.bad}")
         strip = self._strip(r, st.t, width - 2)
         lines = [t, l2, l3, strip]
         for ln in lines:
