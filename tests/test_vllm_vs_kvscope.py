@@ -25,6 +25,8 @@ def test_bursts_that_preempt_agree_until_the_documented_difference():
     w = WORKLOADS["bursts that preempt"]
     c = compare(w, null_block=True)
     second_burst = max(step for step, _, _ in w.arrivals)
-    # the same preemptions through the first burst; they part only once the second burst arrives
+    # the same preemptions through the first burst; they part only once the second burst arrives, on
+    # how the budget's last tokens are used (difference 2 in the docs), not on a victim
     assert c.first_difference is not None and c.first_difference[0] > second_burst
-    assert "victims" not in c.kinds
+    assert "victims" not in c.first_difference[1]
+    assert c.identical / c.steps[0] > 0.8
