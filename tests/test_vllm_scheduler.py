@@ -93,3 +93,12 @@ def test_what_vllm_does_not_do_is_refused(flags, words):
     with pytest.raises(KvscopeError, match="--scheduler vllm") as e:
         LLM("tiny", scheduler="vllm", device="cpu", dtype="float32", num_blocks=16, **flags)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
+    from kvscope.adapters import vllm_core
+
+    monkeypatch.setattr(vllm_core, "vllm_version", lambda: None)
+    with pytest.raises(KvscopeError) as e:
+        LLM("tiny", scheduler="vllm", device="cpu", dtype="float32", num_blocks=16)
+    assert "make vllm" in str(e.value) and "vllm==0.33.0" in str(e.value) and "\n" not in str(e.value)

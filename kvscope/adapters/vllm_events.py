@@ -250,6 +250,25 @@ class VllmEventBuilder:
             entries.append(BatchEntry(self.ids(vid), kind, n, start))
         return entries
 
+    def admissions(self, out: Any) -> list[tuple[int, int]]:
+        """(request, tokens found in the prefix cache) for each request admitted this step, counted into
+        the KV counters' hit/query tokens; call once per step. The found tokens are the computed tokens
+        before the step of a request scheduled for the first time (NewRequestData) or resumed."""
+        found = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached_reqs = out.scheduled_cached_reqs
+        found.update((vid, n) for vid, n in zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens)
+                     if vid in cached_reqs.resumed_req_ids)
+        admitted = []
+        for vid, cached in found.items():
+            seen = self._seen.get(vid)
+            if seen is None:
+                continue
+            prompt = seen.req.num_prompt_tokens
+            self.query_tokens += prompt
+            self.hit_tokens += min(cached, prompt)
+            admitted.append((seen.rid, cached))
+        return admitted
+
     def admission(self, out: Any) -> Admission:
         """Why the head of WAITING was not admitted this step (vLLM's state after ``schedule()``)."""
         waiting = self._waiting_requests()
@@ -309,21 +328,7 @@ class VllmEventBuilder:
         batch = self.batch(out)
         preempted_ids = sorted(out.preempted_req_ids or (), key=lambda v: self.ids(v))
         admission = self.admission(out)
-        hits: list[PrefixHit] = []
-        # tokens found in the prefix cache at admission: the computed tokens before the step of a request
-        # scheduled for the first time (NewRequestData) or resumed after a preemption
-        found = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        cached_reqs = out.scheduled_cached_reqs
-        found.update((vid, n) for vid, n in zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens)
-                     if vid in cached_reqs.resumed_req_ids)
-        for vid, cached in found.items():
-            seen = self._seen.get(vid)
-            if seen is None:
-                continue
-            self.query_tokens += seen.req.num_prompt_tokens
-            self.hit_tokens += min(cached, seen.req.num_prompt_tokens)
-            if cached:
-                hits.append(PrefixHit(seen.rid, cached, cached // self.block_size))
+        hits = [PrefixHit(rid, n, n // self.block_size) for rid, n in self.admissions(out) if n]
         for vid in out.preempted_req_ids or ():
             seen = self._seen.get(vid)
             if seen is not None:

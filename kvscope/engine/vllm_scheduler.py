@@ -163,17 +163,14 @@ class VllmScheduler:
             out.preempted.append(req.req_id)
             out.preemptions.append((req.req_id, BLOCKED_KV, PREEMPT_RECOMPUTE))
             self.bm.drop(req.req_id)
-        found = {n.req_id: n.num_computed_tokens for n in vout.scheduled_new_reqs}
-        cached = vout.scheduled_cached_reqs
-        found.update((v, n) for v, n in zip(cached.req_ids, cached.num_computed_tokens) if v in cached.resumed_req_ids)
-        for vid, hit in found.items():
-            req = self.requests[int(vid)]
-            out.admitted.append(req.req_id)
+        for rid, hit in self.events.admissions(vout):
+            req = self.requests[rid]
+            out.admitted.append(rid)
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.num_cached_tokens = hit
             if hit:
-                out.hits.append((req.req_id, hit, hit // self.settings.block_size))
+                out.hits.append((rid, hit, hit // self.settings.block_size))
         decodes = out.decodes
         for vid, n in vout.num_scheduled_tokens.items():
             req = self.requests[int(vid)]
