@@ -102,3 +102,14 @@ def test_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
     with pytest.raises(KvscopeError) as e:
         LLM("tiny", scheduler="vllm", device="cpu", dtype="float32", num_blocks=16)
     assert "make vllm" in str(e.value) and "vllm==0.33.0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_race_plans_one_run_per_scheduler():
+    from kvscope.bench.race import RaceError, plan
+    from kvscope.engine.config import EngineConfig
+
+    runs = plan(EngineConfig(), ["chunked"], [], ["kvscope", "vllm"])
+    assert [(r.label, r.name, r.config.scheduler, r.config.mode) for r in runs] == [
+        ("A", "kvscope", "kvscope", "chunked"), ("B", "vllm", "vllm", "chunked")]
+    with pytest.raises(RaceError, match="unknown scheduler"):
+        plan(EngineConfig(), ["chunked"], [], ["kvscope", "sglang"])
