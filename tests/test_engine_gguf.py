@@ -173,3 +173,16 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
         outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
         assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"{mode}: only {agreed} tokens agreed"
+
+
+def test_greedy_under_vllm_scheduler_with_preemption_and_prefix_caching(smollm2, smollm2_path, chat_prompts):
+    """vLLM's own scheduler decides (docs/VLLM_SCHEDULER.md): same tokens as transformers."""
+    pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by `make vllm`")
+    _, ref = smollm2
+    # 10 blocks of 8 (one is vLLM's null block) hold one or two of these requests: vLLM preempts
+    llm = real_llm(smollm2_path, scheduler="vllm", block_size=8, num_blocks=10, max_num_batched_tokens=32,
+                   max_num_seqs=8, prefix_caching=True)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
+    assert llm.engine.num_preemptions > 0, "the tight cache was meant to force preemption"
+    assert llm.engine.scheduler.events.hit_tokens > 0, "the template's shared system prompt was meant to hit"
