@@ -91,6 +91,19 @@ def vllm_truth(sched, ids) -> tuple[dict[int, list[int]], tuple[list[int], list[
                     [ids(r.request_id) for r in waiting if r.status.name == "PREEMPTED"])
 
 
+def vllm_blocks(sched) -> tuple[dict[int, int], set[int]]:
+    """vLLM's refcount of every held block, and its free blocks that still hold a cached prefix."""
+    refs, cached = {}, set()
+    for blk in sched.kv_cache_manager.block_pool.blocks:
+        if blk.is_null:
+            continue
+        if blk.ref_cnt > 0:
+            refs[blk.block_id] = blk.ref_cnt
+        elif blk.block_hash is not None:
+            cached.add(blk.block_id)
+    return refs, cached
+
+
 def watched(**kw):
     """A watched scheduler built by vLLM's path, with its watch publishing to a WirePublisher."""
     from kvscope.adapters.vllm_watch import Watch
@@ -127,6 +140,10 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
             tables, queues = vllm_truth(sched, sched._kvscope.builder.ids)
             assert consumer.tables() == tables, f"step {i}: block tables differ"
             assert consumer.queues == queues, f"step {i}: queues differ"
+            refs, cached = vllm_blocks(sched)
+            m = consumer.map
+            assert {b: c for b, c in enumerate(m.refcount) if c > 0} == refs, f"step {i}: refcounts differ"
+            assert {b for b, c in enumerate(m.cached) if c} == cached, f"step {i}: cached blocks differ"
             checked += 1
     return core, consumer, checked
 

@@ -51,12 +51,12 @@ class Watch:
     """Builds and publishes the events of one vLLM scheduler. Every entry point swallows its errors."""
 
     def __init__(self, sched, publisher, wall_start: float | None = None) -> None:
-        from kvscope.adapters.vllm_events import VllmEventBuilder
+        from kvscope.adapters.vllm_incremental import IncrementalBuilder
 
         self.sched = sched
         self.publisher = publisher
         self.wall_start = time.time() if wall_start is None else wall_start
-        self.builder = VllmEventBuilder(sched)
+        self.builder = IncrementalBuilder(sched)
         self.steps = 0  # events built
         self.errors = 0
         self.last_error: str | None = None
