@@ -130,14 +130,9 @@ class IncrementalBuilder(VllmEventBuilder):
             return super().kv_counters(tables, state)
         pool, bs = self.pool, self.block_size
         free = pool.get_num_free_blocks()
-        requests = self.sched.requests
-        slots = waste = 0
-        for vid, table in self._mirror.items():
-            cap = len(table) * bs
-            req = requests.get(vid)
-            computed = min(req.num_computed_tokens, cap) if req is not None else cap
-            slots += computed
-            waste += cap - computed
+        held = sum(map(len, self._mirror.values())) * bs  # slots in the blocks the requests hold
+        slots = min(held, sum(r.num_computed_tokens for r in self.sched.running))  # the waiting hold little
+        waste = held - slots
         return KvCounters(total=pool.num_gpu_blocks, used=max(0, pool.num_gpu_blocks - 1 - free), free=free,
                           cached=len(self._cached_now), token_slots=slots, tail_waste=max(0, waste),
                           hit_tokens=self.hit_tokens, query_tokens=self.query_tokens)
