@@ -40,7 +40,7 @@ def drive(settings: VllmSchedulerSettings, arrivals: list[Arrival], events: bool
         while pending and pending[0].step <= i:
             a = pending.pop(0)
             s.add_request(make_request(a.req_id, a.prompt, a.max_tokens, float(i), settings.block_size, a.priority))
-        if not s.has_requests() and not pending:
+        if not s.get_num_unfinished_requests() and not pending:
             break
         out = s.schedule()
         names: dict[str, int] = {}

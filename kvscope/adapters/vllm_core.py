@@ -14,11 +14,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from kvscope.engine.errors import KvscopeError
+
 VLLM_VERSION = "0.33.0"  # the version checked (docs/VLLM.md); `make vllm` installs it
 INSTALL_HINT = "make vllm  (pip install --no-deps vllm==0.33.0 plus the pinned packages its scheduler imports)"
 
 
-class VllmMissing(RuntimeError):
+class VllmMissing(KvscopeError):
     """vLLM (or a package its scheduler imports) is not installed."""
 
 
@@ -93,6 +95,17 @@ def build_scheduler(settings: VllmSchedulerSettings) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     s = settings
+    try:
+        return _build(s, torch, CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig, Scheduler,
+                      FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, StructuredOutputManager)
+    except ValueError as e:  # vLLM's own config checks (pydantic's ValidationError is a ValueError)
+        lines = [ln.strip() for ln in str(e).splitlines() if "Value error" in ln or "must" in ln]
+        why = (lines[0] if lines else str(e).splitlines()[0]).replace("Value error, ", "").split(" [type=")[0]
+        raise KvscopeError(f"--scheduler vllm: vLLM refuses these settings: {why}") from None
+
+
+def _build(s, torch, CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig, Scheduler,  # noqa: N803
+           FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, StructuredOutputManager):  # noqa: N803
     model = ModelConfig(model=_model_dir(s.max_model_len), skip_tokenizer_init=True, max_model_len=s.max_model_len,
                         dtype="float32")
     sched_cfg = SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,

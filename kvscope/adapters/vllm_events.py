@@ -378,14 +378,21 @@ class VllmEventBuilder:
 
     def _deltas(self, tables: dict[int, list[int]], state: tuple[dict[int, int], set[int]],
                 dropped: set[int]) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]:
-        """Net block deltas (the protocol's rule) that take a watcher from the last state to this one.
+        j = BlockJournal()
+        self.diff_blocks(j, dropped, tables, state)
+        return j.take()
+
+    def diff_blocks(self, j: Any, dropped: set[int], tables: dict[int, list[int]] | None = None,
+                    state: tuple[dict[int, int], set[int]] | None = None) -> None:
+        """Write to ``j`` (a ``BlockJournal``, or anything with its alloc/share/ref/free) the calls that
+        take a watcher's block map from the state the last call saw to vLLM's state now.
 
         ``dropped``: requests whose tables a watcher drops this step (preempted, finished); a request
         dropped and re-admitted in the same step gets its whole table again.
         """
-        refs_now, cached_now = state
+        tables = self.block_tables() if tables is None else tables
+        refs_now, cached_now = self._block_state() if state is None else state
         refs_before, cached_before = self._refs, self._cached
-        j = BlockJournal()
         # the holders that keep a block across the step (not dropped, already held it)
         kept: dict[int, int] = {}
         for rid, table in self._tables.items():
@@ -424,7 +431,6 @@ class VllmEventBuilder:
                 j.ref(b, c)
         self._tables = {r: list(t) for r, t in tables.items()}
         self._refs, self._cached = dict(refs_now), set(cached_now)
-        return j.take()
 
     def snapshot(self, step: int, t: float) -> SnapshotEvent:
         """The whole state; also resets the diff base, so the next ``step()`` is relative to it."""

@@ -16,6 +16,7 @@ from kvscope.engine.errors import KvscopeError
 from kvscope.protocol.events import MODES, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPTION_MODES, Mode
 
 POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.md)
+SCHEDULERS = ("kvscope", "vllm")  # vllm: vLLM's own V1 Scheduler (engine/vllm_scheduler.py)
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
@@ -52,6 +53,11 @@ class EngineConfig:
     backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
                            choices=BACKENDS, group="sim")
     mode: str = setting("chunked", "batching mode", choices=MODES)
+    scheduler: str = setting("kvscope", "who decides each step: kvscope's scheduler, or vLLM's own V1 scheduler and "
+                                        "KV-cache manager (docs/VLLM_SCHEDULER.md; `make vllm` installs it)",
+                             choices=SCHEDULERS)
+    long_prefill_token_threshold: int = setting(0, "--scheduler vllm: longest prefill chunk of one request per "
+                                                   "step (0: no limit beyond the budget)")
     policy: str = setting("fcfs", "scheduling policy, or module:Class for your own (docs/POLICIES.md; "
                                   "command line only, never from a file)", choices=POLICIES + ("module:Class",))
     block_size: int = setting(16, "tokens per KV block")
@@ -89,6 +95,10 @@ class EngineConfig:
         load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("preemption mode", self.preemption, PREEMPTION_MODES)
+        _check_choice("scheduler", self.scheduler, SCHEDULERS)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, MAX_TOKENS_PER_STEP)
+        if self.scheduler == "vllm":
+            self._check_vllm_scheduler()
         for name in ("model", "device", "dtype", "gpu", "kv_cache_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise KvscopeError(f"{name} must be a string, got {_short(getattr(self, name))}")
@@ -123,6 +133,16 @@ class EngineConfig:
             if host is not None and self.swap_space * GiB > host:
                 raise KvscopeError(f"swap_space {self.swap_space:g} GiB is more than this machine's memory "
                                    f"({host / GiB:.1f} GiB)")
+
+    def _check_vllm_scheduler(self) -> None:
+        """What vLLM's V1 scheduler does not do is refused in one line."""
+        if self.mode != Mode.CHUNKED:
+            raise KvscopeError(f"--scheduler vllm runs vLLM's scheduler, which always chunks prefills: --mode "
+                               f"{self.mode} is kvscope's own (use --mode chunked or --scheduler kvscope)")
+        if self.policy not in ("fcfs", "priority"):
+            raise KvscopeError(f"--scheduler vllm supports vLLM's policies fcfs and priority, not {_short(self.policy)}")
+        if self.preemption != "recompute":
+            raise KvscopeError("--scheduler vllm: vLLM's V1 scheduler preempts by recompute only, not swap")
 
     @property
     def effective_max_num_seqs(self) -> int:

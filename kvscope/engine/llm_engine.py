@@ -69,16 +69,22 @@ class LLMEngine:
             num_blocks = min(MAX_NUM_BLOCKS, num_blocks_for(self.kv_budget, block_bytes))
         self.kv_cache_bytes = int(num_blocks * block_bytes)
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching,
-                                          sliding_window=self.loaded.attention.uniform_window,
-                                          salt=f"{config.model}|{self.dtype}|{config.block_size}".encode())
+        num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
+        if config.scheduler == "vllm":  # vLLM's own scheduler and KV-cache manager decide every step
+            from kvscope.engine.vllm_scheduler import VllmScheduler
+
+            self.scheduler = VllmScheduler(config, num_blocks, self.max_model_len)
+            self.block_manager = self.scheduler.bm
+        else:
+            # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
+            self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=config.prefix_caching,
+                                              sliding_window=self.loaded.attention.uniform_window,
+                                              salt=f"{config.model}|{self.dtype}|{config.block_size}".encode())
+            self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
         # the block manager's queue of what changed, drained once per step: the step event's block
         # deltas come from it, and so does every consumer here (the vLLM KV-event publisher)
         self.block_deltas = BlockDeltaFold(num_blocks)
         self.kv_event_consumers: list = []
-        num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, num_cpu_blocks=num_cpu_blocks)
         self.runner = self.backend.make_runner(num_blocks, self.max_model_len)
         # swap-out / copy-on-write / swap-in copies, applied before each forward
         self.swapper = self.backend.make_swapper(self.runner, num_cpu_blocks)
@@ -120,6 +126,10 @@ class LLMEngine:
         config = self.config.to_dict()
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
+        if config.get("scheduler") == "vllm":
+            from kvscope.adapters.vllm_core import vllm_version
+
+            config["vllm_version"] = vllm_version()
         config = self.backend.hello_config(config)
         # in the order hello.config goes on the wire (docs/PROTOCOL.md)
         ordered = {k: config[k] for k in WIRE_ORDER if k in config}

@@ -76,6 +76,8 @@ class EngineInfo(Struct, kw_only=True):
     backend: Name = ""  # "model", "sim" or "vllm"
     mode: Name = ""  # naive, static, continuous, chunked
     policy: Text = ""
+    scheduler: Name | UnsetType = UNSET  # "kvscope", or "vllm": vLLM's own V1 scheduler decides (--scheduler vllm)
+    vllm_version: Name | UnsetType = UNSET  # with scheduler "vllm": the vLLM whose scheduler ran
     block_size: PositiveInt = 16
     num_blocks: Count | None = None
     max_num_seqs: Count | None = None
@@ -115,6 +117,8 @@ WIRE_KEYS: tuple[tuple[str, str | None, str], ...] = (
     ("backend", None, "backend"),
     ("mode", None, "mode"),
     ("policy", None, "policy"),
+    ("scheduler", None, "scheduler"),
+    ("vllm_version", None, "vllm_version"),
     ("block_size", None, "block_size"),
     ("num_blocks", None, "num_blocks"),
     ("max_num_seqs", None, "max_num_seqs"),
