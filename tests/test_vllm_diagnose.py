@@ -290,3 +290,35 @@ def test_the_same_tail_with_requests_that_really_wait_stays_max_num_seqs(tmp_pat
     d = diagnose_vllm_trace(path, what_if=False)
     assert d.bottleneck == "max_num_seqs"
     assert (d.knobs[0].flag, d.knobs[0].from_, d.knobs[0].to) == ("--max-num-seqs", 60, 120)
+
+
+def test_a_vllm_recordings_what_if_replays_through_vllms_own_scheduler():
+    """With vLLM installed, the replays run vLLM's V1 scheduler on the sim (`--scheduler vllm`), and a
+    --long-prefill-token-threshold knob, which only vLLM's scheduler has, gets a prediction."""
+    pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM's scheduler is not installed (make vllm)")
+    from kvscope.adapters.vllm_diagnose import sim_settings, sim_knob
+    from kvscope.adapters.vllm_signals import read
+    from kvscope.analysis.knobs import Knob
+    from kvscope.analysis.predict import apply_knob
+    from kvscope.traces.reader import TraceReader
+
+    scrapes, cache, _ = recording(TraceReader(shipped("budget-bound")))
+    flags = VllmFlags(gpu="h100-sxm5", max_num_batched_tokens=256, max_num_seqs=256)
+    settings, note = sim_settings(read(scrapes, flags, cache), flags)
+    assert settings["scheduler"] == "vllm" and "vLLM's own scheduler" in note
+    knob = sim_knob(Knob(flag="--long-prefill-token-threshold", from_=None, to=128, why=""))
+    assert apply_knob(settings, knob)["long_prefill_token_threshold"] == 128
+    d = diagnose_vllm_trace(shipped("budget-bound"), what_if=True, flags=flags)
+    assert d.what_if.ran and "vLLM's own scheduler" in d.what_if.note
+    assert d.knobs[0].predicted is not None
+
+
+def test_a_trace_of_vllms_scheduler_replays_through_it():
+    """A trace recorded under --scheduler vllm (or from the watched scheduler: its hello says scheduler
+    vllm) keeps vLLM's scheduler and its long-prefill threshold in the what-if's sim settings."""
+    from kvscope.analysis.whatif import sim_settings
+
+    cfg = {"backend": "sim", "model": "llama-3.1-8b", "gpu": "h100-sxm5", "mode": "chunked", "scheduler": "vllm",
+           "long_prefill_token_threshold": 512, "max_num_seqs": 60}
+    s = sim_settings(cfg)
+    assert (s["scheduler"], s["long_prefill_token_threshold"]) == ("vllm", 512)
