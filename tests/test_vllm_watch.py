@@ -334,3 +334,49 @@ def test_a_recording_of_the_watched_scheduler_replays_and_diagnoses(tmp_path):
     d = diagnose_trace(str(path), what_if=False)
     assert d.bottleneck == "kv_capacity", d.bottleneck
     assert d.knobs and not any(k.flag.startswith(("--mode", "--num-blocks")) for k in d.knobs)
+
+
+def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
+    """The TUI's replay of the watched scheduler's events: at a step mid-run its state (queues with vLLM's
+    requests, the block map's tables) is what vLLM's scheduler held when that step was published."""
+    import asyncio
+
+    from tests.fakes.sources import MemoryTrace
+    from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import ReplayFeed
+    from kvscope.tui.player import Player
+    from kvscope.tui.sources import ReplayController
+    from kvscope.tui.widgets import BlockMap as BlockMapWidget
+
+    sched, pub = watched(num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
+    core = Core(sched)
+    rng = random.Random(5)
+    consumer = Consumer()
+    truth = {}
+    for i in range(3000):
+        workload(core, rng, i)
+        if not core.busy():
+            break
+        core.step()
+        consumer.feed(pub.frames)
+        if consumer.steps:
+            truth[consumer.steps[-1].step] = vllm_truth(sched, sched._kvscope.builder.ids)
+    mid = sorted(s for s, (tables, q) in truth.items() if len(tables) >= 3 and q[1])[0]
+
+    async def run():
+        clock = lambda: 100.0  # noqa: E731 - a frozen clock: the test moves the player
+        rc = ReplayController(MemoryTrace(consumer.events), playing=False, clock=clock)
+        app = KvscopeApp([ReplayFeed(rc)], Player([rc], playing=False, clock=clock), auto_tick=False)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            app.player.seek(mid)
+            app.pump()
+            await pilot.pause()
+            st = app.state
+            assert st.config.backend == "vllm-scheduler" and st.step == mid
+            tables, (running, waiting, preempted) = truth[mid]
+            assert (st.running, st.waiting, st.preempted) == (running, waiting, preempted)
+            assert {r: t for r, t in st.blocks.tables.items() if t} == tables
+            assert app.query_one(BlockMapWidget).render()
+
+    asyncio.run(run())

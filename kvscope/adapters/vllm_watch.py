@@ -64,8 +64,11 @@ class Watch:
         self._starts: dict[int, float] = {}  # id(scheduler output) -> wall time schedule() returned it
         self._preempted: set[str] = set()  # preempted by a schedule() whose step is not published yet
         self._resync = True  # the next step is preceded by a snapshot and the hello
-        self.hello = None
         self.hello = self._hello()
+        try:
+            self._send(self.hello)  # the stream starts with it, as a kvscope engine's does
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     # ---- what vLLM calls (through the scheduler's overrides) ---------------------------------
     def added(self, request) -> None:
