@@ -34,10 +34,10 @@ class IncrementalBuilder(VllmEventBuilder):
 
     # ---- the mirror ----------------------------------------------------------------------
     def after_schedule(self, out: Any) -> None:
-        super().after_schedule(out)
         raw = getattr(out, "_out", out)  # the watch may hand a view of the output
         if id(raw) in self._mirrored:
-            return
+            return  # folded in when schedule() returned it (step() calls this again)
+        super().after_schedule(out)
         self._mirrored.add(id(raw))
         mirror = self._mirror
         for vid in raw.preempted_req_ids or ():
