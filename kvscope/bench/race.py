@@ -34,23 +34,37 @@ class RacePlan:
     config: EngineConfig
 
 
-def plan(config: EngineConfig, modes: list[str], policies: list[str]) -> list[RacePlan]:
-    """One run per (mode, policy); names carry the policy only when several are raced."""
-    from kvscope.engine.config import MODES
+def plan(config: EngineConfig, modes: list[str], policies: list[str],
+         schedulers: list[str] | None = None) -> list[RacePlan]:
+    """One run per (scheduler, mode, policy); names carry the scheduler or the policy only when several
+    are raced (``--schedulers kvscope,vllm``: kvscope's scheduler against vLLM's own, same requests)."""
+    from kvscope.engine.config import MODES, SCHEDULERS
 
     for mode in modes:
         if mode not in MODES:
             raise RaceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    for sched in schedulers or ():
+        if sched not in SCHEDULERS:
+            raise RaceError(f"unknown scheduler {sched!r} (choose from {', '.join(SCHEDULERS)})")
     policies = policies or [config.policy]
-    combos = [(m, p) for m in modes for p in policies]
+    schedulers = schedulers or [config.scheduler]
+    combos = [(s, m, p) for s in schedulers for m in modes for p in policies]
     if not combos:
         raise RaceError("nothing to race: give at least one mode")
     if len(combos) > MAX_RUNS:
-        raise RaceError(f"a race shows at most {MAX_RUNS} runs; {len(modes)} modes x {len(policies)} policies "
-                        f"is {len(combos)}")
-    named = len(policies) > 1
-    return [RacePlan(LABELS[i], f"{m}-{p}" if named else m, replace(config, mode=m, policy=p))
-            for i, (m, p) in enumerate(combos)]
+        raise RaceError(f"a race shows at most {MAX_RUNS} runs; {len(schedulers)} schedulers x {len(modes)} modes x "
+                        f"{len(policies)} policies is {len(combos)}")
+
+    def name(s: str, m: str, p: str) -> str:
+        parts = [s] if len(schedulers) > 1 else []
+        if len(modes) > 1 or not parts:
+            parts.append(m)
+        if len(policies) > 1:
+            parts.append(p)
+        return "-".join(parts)
+
+    return [RacePlan(LABELS[i], name(s, m, p), replace(config, scheduler=s, mode=m, policy=p))
+            for i, (s, m, p) in enumerate(combos)]
 
 
 def trace_path(run: RacePlan, out_dir: str) -> str:

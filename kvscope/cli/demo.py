@@ -19,11 +19,20 @@ class Demo(Command):
         p.add_argument("--sim", action="store_true",
                        help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
         p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
+        p.add_argument("--scheduler", default="kvscope", choices=("kvscope", "vllm"),
+                       help="who decides each step: kvscope's scheduler, or vLLM's own V1 scheduler "
+                            "(docs/VLLM_SCHEDULER.md; `make vllm` installs it)")
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.demo import run_demo
 
+        extra: tuple[str, ...] = ()
+        if args.scheduler == "vllm":
+            from kvscope.adapters.vllm_core import require_vllm
+
+            require_vllm()  # one line, before the dashboard takes the terminal
+            extra = ("--scheduler", "vllm")
         run_demo(palette=args.palette, device=args.device, model=args.model,
-                 sim_gpu=args.gpu if args.sim else None)
+                 sim_gpu=args.gpu if args.sim else None, extra_args=extra)
         return 0

@@ -23,6 +23,9 @@ class Race(Command):
         p.add_argument("--modes", default=None, help="comma list (default: naive,static,continuous,chunked, "
                                                       "or the preset's)")
         p.add_argument("--policies", default=None, help="comma list of policies to race (default: --policy)")
+        p.add_argument("--schedulers", default=None, help="comma list: kvscope,vllm races kvscope's scheduler "
+                       "against vLLM's own V1 scheduler on the same requests (default: --scheduler; with several, "
+                       "--modes defaults to chunked)")
         p.add_argument("--out", default="kvscope-race", metavar="DIR", help="where the traces go (default: "
                                                                              "./kvscope-race)")
         p.add_argument("--no-tui", action="store_true", help="print the table (and --json) instead of opening compare")
@@ -39,9 +42,12 @@ class Race(Command):
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise UsageError(f"--out {args.out}: not a directory")
         config, items, device, workload, preset_modes, sim = _race_inputs(args)
-        modes = args.modes.split(",") if args.modes else (preset_modes or ["naive", "static", "continuous", "chunked"])
+        schedulers = [s for s in args.schedulers.split(",") if s] if args.schedulers else []
+        default_modes = ["chunked"] if len(schedulers) > 1 else ["naive", "static", "continuous", "chunked"]
+        modes = args.modes.split(",") if args.modes else (
+            default_modes if len(schedulers) > 1 else (preset_modes or default_modes))
         policies = args.policies.split(",") if args.policies else []
-        runs = plan(config, [m for m in modes if m], [p for p in policies if p])
+        runs = plan(config, [m for m in modes if m], [p for p in policies if p], schedulers)
         if os.path.isdir(args.out):  # the traces it will write: never over a file of another kind
             for run in runs:
                 check_output_path(trace_path(run, args.out), inputs=[args.workload, args.preset, args.json],

@@ -68,7 +68,9 @@ class LLMEngine:
             self.kv_budget = self.backend.kv_budget()
             num_blocks = min(MAX_NUM_BLOCKS, num_blocks_for(self.kv_budget, block_bytes))
         self.kv_cache_bytes = int(num_blocks * block_bytes)
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        # vLLM's block 0 is its null block: one block fewer holds tokens under --scheduler vllm
+        usable_blocks = num_blocks - 1 if config.scheduler == "vllm" else num_blocks
+        self.max_model_len = self._max_model_len(usable_blocks * config.block_size)
         num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
         if config.scheduler == "vllm":  # vLLM's own scheduler and KV-cache manager decide every step
             from kvscope.engine.vllm_scheduler import VllmScheduler
