@@ -258,3 +258,37 @@ def test_tiny_model_naive_mode():
     d = diagnose_events(_tiny_events(6, 16, 6, mode="naive"), what_if=False)
     assert d.bottleneck == "batching_mode", format_text(d)
     assert d.knobs[0].flag == "--mode" and d.knobs[0].to == "chunked"
+
+
+def _signals(**over):
+    from kvscope.analysis.signals import Signals
+
+    base = dict(steps=400, busy_steps=400, span_s=60.0, busy_time_frac=1.0, requests=200, finished=200,
+                blocked_kv=0.0, blocked_budget=0.0, blocked_seqs=0.0, blocked_static=0.0, queued_frac=0.5,
+                mean_queued=2.0, preemptions_kv=0, preemptions_priority=0, preempted_per_request=0.0,
+                recompute_frac=0.0, kv_use_p90=0.5, kv_use_mean=0.4, running_mean=1.0, running_max=60,
+                tokens_fill=0.5, padding_frac=0.0, step_dur_p50=0.02, fixed_share=None, ttft_p50=0.5, ttft_p99=0.6,
+                queue_p50=0.02, queue_p99=0.04, itl_p50=0.02, itl_p99=0.5, itl_tail_prefill_share=1.0,
+                itl_p99_prefill=0.5, itl_p50_clean=0.02, prefill_step_dur_p99=0.5, decode_step_dur_p99=0.02,
+                overtaken_frac=0.0, wait_ratio=None, priorities=1)
+    return Signals(**{**base, **over})
+
+
+def test_an_engine_trace_weighs_the_symptom_as_a_vllm_recording_does():
+    """The rules are shared: with max_num_seqs reached but requests waiting 40 ms while the ITL p99 is 25x its
+    median from prefills, a kvscope trace is prefill_interference too; when they wait seconds, max_num_seqs."""
+    from kvscope.analysis.knobs import choose
+    from kvscope.analysis.verdicts import rule
+
+    cfg = dict(backend="sim", mode="chunked", max_num_seqs=60, max_num_batched_tokens=8192, policy="fcfs",
+               gpu_memory_utilization=0.9)
+    blocked = _signals(blocked_seqs=0.5)
+    top, rest = rule(blocked, cfg)
+    assert top.bottleneck == "prefill_interference"
+    knobs, _ = choose(top.bottleneck, rest, cfg, blocked)
+    assert knobs[0].flag == "--max-num-batched-tokens" and knobs[0].to < 8192
+    assert not any(k.flag == "--max-num-seqs" for k in knobs)
+    waiting = _signals(blocked_seqs=0.5, queue_p50=4.0, queue_p99=8.0)
+    assert rule(waiting, cfg)[0].bottleneck == "max_num_seqs"
+    unknown = _signals(blocked_seqs=0.5, queue_p50=None, queue_p99=None)  # no request events: not weighed
+    assert rule(unknown, cfg)[0].bottleneck == "max_num_seqs"

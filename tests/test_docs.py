@@ -34,6 +34,7 @@ FOREIGN_FLAGS = {
     "--kv-events-config": "vllm serve",
     "--enable-chunked-prefill": "vllm serve",
     "--long-prefill-token-threshold": "vllm serve",
+    "--scheduler-cls": "vllm serve",
     "--snapshot-update": "pytest-textual-snapshot",
     "--dry-run": "bench/gpu_check.py",
     "--out": "bench/gpu_check.py",

@@ -240,3 +240,85 @@ def test_a_budget_bound_vllm_without_a_queue_histogram(tmp_path):
     assert (d.knobs[0].flag, d.knobs[0].from_, d.knobs[0].to) == ("--max-num-batched-tokens", 512, 1024)
     q = next(e for e in d.evidence if e.name == "queue_p50_steps")
     assert "Little's law" in q.series
+
+
+def _bimodal_itl_move(queue: float):
+    """A stand-in vLLM whose ITL is bimodal (p50 ~20 ms, p99 ~0.5 s): iterations of 8,192 tokens (a long prompt's
+    chunk sharing the step with 60 decodes) alternate with decode-only ones; 60 requests run and a few wait at
+    each scrape for ``queue`` seconds."""
+    def move(m, i):
+        m.running.set(60)
+        m.waiting_for(capacity=2 if i % 2 else 0)
+        m.kv.set(0.45)
+        for k in range(10):  # 2 iterations of 8,192 tokens, 8 decode-only ones, per interval
+            m.iteration_tokens.observe(8192 if k % 5 == 0 else 60)
+        m.prompt.inc(2 * (8192 - 60))
+        m.generation.inc(10 * 60)
+        for _ in range(2 * 60):
+            m.itl.observe(0.5)  # every decode stalls behind the long prefill
+        for _ in range(8 * 60):
+            m.itl.observe(0.02)
+        m.ttft.observe(0.6)
+        m.prefill_time.observe(0.55)
+        m.decode_time.observe(4.0)
+        m.finish(2, prompt=8192, output=200, queue=queue, e2e=5.0)
+    return move
+
+
+def test_an_itl_tail_from_long_prefills_with_tiny_queues_is_prefill_interference(tmp_path):
+    """Requests wait under 50 ms while 60 run: admission is not what hurts, the ITL tail is. The verdict names
+    prefill_interference with a budget or threshold knob, not --max-num-seqs 60 -> 120."""
+    path = tmp_path / "bimodal.kvtrace"
+    _record_http(path, 24, _bimodal_itl_move(queue=0.03))
+    d = diagnose_vllm_trace(path, what_if=False)
+    assert d.signals.itl_p99 >= 10 * d.signals.itl_p50 and d.signals.running_max == 60
+    assert d.bottleneck == "prefill_interference", (d.bottleneck, d.score, d.secondary)
+    flags = {k.flag: k for k in d.knobs}
+    assert set(flags) & {"--max-num-batched-tokens", "--long-prefill-token-threshold"}
+    assert d.knobs[0].flag in ("--max-num-batched-tokens", "--long-prefill-token-threshold")
+    budget = flags.get("--max-num-batched-tokens")
+    assert budget is None or budget.to < budget.from_ == 8192
+    assert not any(k.flag == "--max-num-seqs" and k.to > (k.from_ or 0) for k in d.knobs)
+    admission = [x for x in d.secondary if x.bottleneck in ("max_num_seqs", "kv_capacity", "token_budget")]
+    assert all(x.score < 0.5 for x in admission), "the admission rules are weighed down by the tiny queue times"
+
+
+def test_the_same_tail_with_requests_that_really_wait_stays_max_num_seqs(tmp_path):
+    """The weighing cuts both ways: when the waiting requests wait seconds, admission is what hurts."""
+    path = tmp_path / "queued.kvtrace"
+    _record_http(path, 24, _bimodal_itl_move(queue=8.0))
+    d = diagnose_vllm_trace(path, what_if=False)
+    assert d.bottleneck == "max_num_seqs"
+    assert (d.knobs[0].flag, d.knobs[0].from_, d.knobs[0].to) == ("--max-num-seqs", 60, 120)
+
+
+def test_a_vllm_recordings_what_if_replays_through_vllms_own_scheduler():
+    """With vLLM installed, the replays run vLLM's V1 scheduler on the sim (`--scheduler vllm`), and a
+    --long-prefill-token-threshold knob, which only vLLM's scheduler has, gets a prediction."""
+    pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM's scheduler is not installed (make vllm)")
+    from kvscope.adapters.vllm_diagnose import sim_settings, sim_knob
+    from kvscope.adapters.vllm_signals import read
+    from kvscope.analysis.knobs import Knob
+    from kvscope.analysis.predict import apply_knob
+    from kvscope.traces.reader import TraceReader
+
+    scrapes, cache, _ = recording(TraceReader(shipped("budget-bound")))
+    flags = VllmFlags(gpu="h100-sxm5", max_num_batched_tokens=256, max_num_seqs=256)
+    settings, note = sim_settings(read(scrapes, flags, cache), flags)
+    assert settings["scheduler"] == "vllm" and "vLLM's own scheduler" in note
+    knob = sim_knob(Knob(flag="--long-prefill-token-threshold", from_=None, to=128, why=""))
+    assert apply_knob(settings, knob)["long_prefill_token_threshold"] == 128
+    d = diagnose_vllm_trace(shipped("budget-bound"), what_if=True, flags=flags)
+    assert d.what_if.ran and "vLLM's own scheduler" in d.what_if.note
+    assert d.knobs[0].predicted is not None
+
+
+def test_a_trace_of_vllms_scheduler_replays_through_it():
+    """A trace recorded under --scheduler vllm (or from the watched scheduler: its hello says scheduler
+    vllm) keeps vLLM's scheduler and its long-prefill threshold in the what-if's sim settings."""
+    from kvscope.analysis.whatif import sim_settings
+
+    cfg = {"backend": "sim", "model": "llama-3.1-8b", "gpu": "h100-sxm5", "mode": "chunked", "scheduler": "vllm",
+           "long_prefill_token_threshold": 512, "max_num_seqs": 60}
+    s = sim_settings(cfg)
+    assert (s["scheduler"], s["long_prefill_token_threshold"]) == ("vllm", 512)

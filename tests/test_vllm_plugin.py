@@ -158,7 +158,8 @@ def test_a_full_queue_drops_the_step_and_counts_it(monkeypatch):
 
 
 def test_disabled_means_no_socket_and_no_zmq():
-    code = ("import sys, os; os.environ.pop('KVSCOPE_VLLM_PUBLISH', None);"
+    # vLLM itself imports zmq (its loggers); with vLLM installed the check is on kvscope's own imports
+    code = ("import sys, os; os.environ.pop('KVSCOPE_VLLM_PUBLISH', None); sys.modules['vllm'] = None;"
             "from kvscope.adapters.vllm_plugin import KvscopeStatLogger;"
             "from tests.fakes import vllm_stats as S;"
             "lg = KvscopeStatLogger(S.VllmConfig(), 0); lg.record(S.SchedulerStats(), S.IterationStats());"

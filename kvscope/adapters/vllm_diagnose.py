@@ -39,7 +39,9 @@ SIM_FLAGS = {"--max-num-seqs": ("--max-num-seqs", None), "--max-num-batched-toke
              "--gpu-memory-utilization": ("--gpu-memory-utilization", None),
              "--kv-cache-dtype": ("--kv-cache-dtype", None), "--tensor-parallel-size": ("--tp", None),
              "--enable-chunked-prefill": ("--mode", lambda on: "chunked" if on else "continuous"),
-             "--scheduling-policy": ("--policy", None)}  # prefix caching: the replayed prompts share nothing
+             "--scheduling-policy": ("--policy", None),
+             "--long-prefill-token-threshold": ("--long-prefill-token-threshold", None)}
+# prefix caching: the replayed prompts share nothing
 
 
 def judge_reading(r: Reading, source: str, window: int | None = None) -> Diagnosis:
@@ -167,11 +169,27 @@ def sim_settings(r: Reading, flags: VllmFlags) -> tuple[dict, str]:
     if dtype and dtype != "auto":
         settings["kv_cache_dtype"] = dtype
     note = ""
+    if settings["mode"] == "chunked" and _vllm_scheduler():
+        settings["scheduler"] = "vllm"  # vLLM's own scheduler decides the replays (the sim prices the steps)
+        note = ", vLLM's own scheduler"
+    else:
+        note = ", kvscope's scheduler (vLLM's is not installed, or chunked prefill is off)"
     if flags.max_num_seqs is None:
         settings["max_num_seqs"] = max(SERVE_MAX_NUM_SEQS, int(cfg.get("max_num_seqs") or 0))
-        note = (f"; max_num_seqs was only inferred, so the replays assume vllm serve's default {SERVE_MAX_NUM_SEQS} "
+        note += (f"; max_num_seqs was only inferred, so the replays assume vllm serve's default {SERVE_MAX_NUM_SEQS} "
                 "(pass --vllm-max-num-seqs)")
     return settings, note
+
+
+def _vllm_scheduler() -> bool:
+    """Can the sim run vLLM's own scheduler here (vLLM installed: make vllm)?"""
+    try:
+        from kvscope.adapters.vllm_core import require_vllm
+
+        require_vllm()
+        return True
+    except Exception:  # noqa: BLE001 - not installed, or it cannot be imported: kvscope's scheduler replays
+        return False
 
 
 def sim_knob(k: Knob) -> Knob | None:
@@ -227,6 +245,6 @@ def predict(r: Reading, flags: VllmFlags, knobs: list[Knob]):
     rate = r.facts.request_rate or 0.0
     note = (f"replayed {len(reqs)} requests shaped like the observed run ({rate:.2f} req/s, lengths from "
             f"vllm:request_prompt_tokens and vllm:request_generation_tokens) through the sim ({model} on "
-            f"{flags.gpu}, vLLM's settings){assumed}")
+            f"{flags.gpu}, vLLM's settings{assumed})")
     return WhatIf(ran=True, note=note, requests=len(reqs), of_requests=r.signals.requests,
                   trace=RunFigures(**r.figures), baseline=base.figures, sim_steps=steps, wall_s=wall)

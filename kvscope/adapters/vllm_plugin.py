@@ -81,6 +81,13 @@ def engine_info(vllm_config) -> dict:
     return info
 
 
+def _watched(vllm_config) -> bool:
+    """Is vLLM's scheduler kvscope's watched one (kvscope.adapters.vllm_watch)? It then publishes on the address."""
+    cls = _get(vllm_config, "scheduler_config", "scheduler_cls")
+    name = cls if isinstance(cls, str) else f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
+    return name.startswith("kvscope.adapters.vllm_watch.")
+
+
 class StepMaker:
     """Turns one record() call into protocol events (pure: no I/O, no clock but the stats' own)."""
 
@@ -194,6 +201,9 @@ class KvscopeStatLogger(_Base):
         self._unsent_drops = 0  # ... not yet reported in a step's `dropped`
         self._queue = None
         self._thread = None
+        if self.addr is not None and _watched(vllm_config):
+            log.info("kvscope: the scheduler class publishes vLLM's steps on %s; the stat logger stands down", self.addr)
+            self.addr = None
         if self.addr is None:
             return  # disabled: no socket, no thread, record() returns at once
         try:

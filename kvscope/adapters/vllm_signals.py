@@ -389,6 +389,14 @@ def _evidence(s: Signals, cfg: dict, facts: VllmFacts, pinned, busy, mean_tok, b
     pinned_frac = float((pinned & busy).sum()) / max(1, int(busy.sum()))
     mean_iter = float(mean_tok[busy].mean()) if busy.any() else 0.0
     churn = facts.kv_churn
+    w = V.wait_weight(s)
+    q = s.queue_p99 if s.queue_p99 is not None else s.queue_p50
+    wait = _ev("wait_weight", None if w is None else round(w, 2), ">=", 1.0,
+               f"queue time p99 {V.dur(q)} against the larger of ITL p99 {V.dur(s.itl_p99)} and {V.QUEUE_STEPS_MIN:g} "
+               f"iteration times ({_ms(s.step_dur_p50)} each): " + (
+                   "unknown, not weighed" if w is None else f"{w:.2f} (under 1: requests barely wait, so admission "
+                   "is not what hurts)" if w < 1 else f"{w:.2f}: requests really wait"),
+               f"{queue_from}, {S_ITL}")
     kv = [
         _ev("blocked_kv_frac", s.blocked_kv, ">=", V.BLOCKED_KV_MIN,
             f"requests waited for capacity with the KV cache >= {_pct(KV_FULL)} full or preempting in "
@@ -406,6 +414,7 @@ def _evidence(s: Signals, cfg: dict, facts: VllmFacts, pinned, busy, mean_tok, b
     if facts.prefix_hit_rate is not None:
         kv.append(_ev("prefix_hit_rate", round(facts.prefix_hit_rate, 3), None, None,
                       f"prefix cache hit rate {_pct(facts.prefix_hit_rate)}", f"{S_HITS} / {S_QUERIES}"))
+    kv.append(wait)
     return {
         V.KV_CAPACITY: kv,
         V.MAX_NUM_SEQS: [
@@ -415,6 +424,7 @@ def _evidence(s: Signals, cfg: dict, facts: VllmFacts, pinned, busy, mean_tok, b
                 f"(threshold {_pct(V.BLOCKED_SEQS_MIN)})", f"{S_BY_REASON}, {S_RUNNING}"),
             _ev("kv_use_p90", round(s.kv_use_p90, 3), "<", KV_FULL, f"KV cache only {_pct(s.kv_use_p90)} used at p90",
                 S_KV),
+            wait,
         ],
         V.TOKEN_BUDGET: [
             _ev("blocked_budget_frac", s.blocked_budget, ">=", V.BLOCKED_BUDGET_MIN,
@@ -430,6 +440,7 @@ def _evidence(s: Signals, cfg: dict, facts: VllmFacts, pinned, busy, mean_tok, b
             _ev("fixed_share", s.fixed_share, ">=", V.FIXED_SHARE_MIN,
                 f"{_pct(s.fixed_share)} of a full iteration's time is fixed cost (threshold {_pct(V.FIXED_SHARE_MIN)})",
                 f"{S_ITER} against the scrape interval"),
+            wait,
         ],
         V.PREFILL_INTERFERENCE: [
             _ev("itl_p99_over_p50", round(ratio, 2), ">=", V.ITL_RATIO_MIN,

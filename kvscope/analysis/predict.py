@@ -24,7 +24,8 @@ BUILTIN_POLICIES = ("fcfs", "sjf", "priority")
 FLAG_KEYS = {"--max-num-seqs": "max_num_seqs", "--max-num-batched-tokens": "max_num_batched_tokens",
              "--num-blocks": "num_blocks", "--gpu-memory-utilization": "gpu_memory_utilization",
              "--mode": "mode", "--policy": "policy", "--preemption": "preemption",
-             "--prefix-caching": "prefix_caching", "--kv-cache-dtype": "kv_cache_dtype", "--tp": "tp"}
+             "--prefix-caching": "prefix_caching", "--kv-cache-dtype": "kv_cache_dtype", "--tp": "tp",
+             "--long-prefill-token-threshold": "long_prefill_token_threshold"}  # vLLM's scheduler only
 RESIZES = ("--gpu-memory-utilization", "--kv-cache-dtype", "--tp")  # knobs that change how many blocks fit
 
 

@@ -33,6 +33,9 @@ BLOCKED_SEQS_MIN = 0.10
 BLOCKED_BUDGET_MIN = 0.20
 FIXED_SHARE_MIN = 0.40  # a full step must still be >= 40% fixed cost for a bigger budget to pay
 QUEUE_STEPS_MIN = 3.0  # queue p50 >= 3 step times: prefill is waiting, not just the next step
+# admission-side verdicts (kv_blocks, max_num_seqs, token budget) need requests that actually wait: queue time p99
+# at least the ITL p99 (a waiting user loses more than the worst stall a streaming one sees) and 3 step times
+WAIT_OVER_ITL_MIN = 1.0
 ITL_RATIO_MIN = 3.0  # ITL p99 >= 3 x p50
 ITL_TAIL_PREFILL_MIN = 0.6  # and >= 60% of the tail gaps span a prefill
 MODE_QUEUED_MIN = 0.10  # naive/static: requests wait in >= 10% of busy steps
@@ -73,8 +76,41 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f} ms"
 
 
+def dur(x: float | None) -> str:
+    """A duration in ms under a second, else in s."""
+    return "-" if x is None else f"{x:.2f} s" if x >= 1.0 else _ms(x)
+
+
+def wait_weight(s: Signals) -> float | None:
+    """How much requests actually wait, 1 at the threshold: queue time p99 (p50 where only that is known) over the
+    larger of the ITL p99 and QUEUE_STEPS_MIN step times. None when no queue time is known (no weighing then)."""
+    q = s.queue_p99 if s.queue_p99 is not None else s.queue_p50
+    unit = max(WAIT_OVER_ITL_MIN * (s.itl_p99 or 0.0), QUEUE_STEPS_MIN * (s.step_dur_p50 or 0.0))
+    if q is None or unit <= 0:
+        return None
+    return q / unit
+
+
+def _weighed(score: float, s: Signals) -> float:
+    """An admission score held under 0.5 while the queue times are too short to be what hurts: it then neither
+    decides nor adds its knob as a runner-up (knobs.with_runners_up takes those >= 0.5), but still shows."""
+    w = wait_weight(s)
+    return score if w is None or w >= 1.0 else min(score, 0.45 * w)
+
+
+def _wait_evidence(s: Signals) -> Evidence:
+    w = wait_weight(s)
+    q = s.queue_p99 if s.queue_p99 is not None else s.queue_p50
+    return _ev("wait_weight", None if w is None else round(w, 2), ">=", 1.0,
+               f"queue time p99 {dur(q)} against the larger of ITL p99 {dur(s.itl_p99)} and "
+               f"{QUEUE_STEPS_MIN:g} step times ({_ms(s.step_dur_p50)} each): "
+               + ("unknown, not weighed" if w is None else f"{w:.2f} (under 1: requests barely wait, so admission "
+                  "is not what hurts)" if w < 1 else f"{w:.2f}: requests really wait"))
+
+
 def _kv(s: Signals, cfg: dict) -> Ruling:
-    score = max(s.blocked_kv / BLOCKED_KV_MIN, s.recompute_frac / RECOMPUTE_MIN,
+    # waiting on blocks counts only when requests really wait; preemptions and recompute hurt on their own
+    score = max(_weighed(s.blocked_kv / BLOCKED_KV_MIN, s), s.recompute_frac / RECOMPUTE_MIN,
                 s.preempted_per_request / PREEMPT_PER_REQ_MIN)
     return Ruling(bottleneck=KV_CAPACITY, score=score, evidence=[
         _ev("blocked_kv_frac", s.blocked_kv, ">=", BLOCKED_KV_MIN,
@@ -86,11 +122,12 @@ def _kv(s: Signals, cfg: dict) -> Ruling:
         _ev("recompute_frac", s.recompute_frac, ">=", RECOMPUTE_MIN,
             f"{_pct(s.recompute_frac)} of computed tokens recomputed (threshold {_pct(RECOMPUTE_MIN)})"),
         _ev("kv_use_p90", s.kv_use_p90, ">=", KV_FULL, f"KV pool {_pct(s.kv_use_p90)} used at p90"),
+        _wait_evidence(s),
     ])
 
 
 def _seqs(s: Signals, cfg: dict) -> Ruling:
-    score = s.blocked_seqs / BLOCKED_SEQS_MIN
+    score = _weighed(s.blocked_seqs / BLOCKED_SEQS_MIN, s)
     if cfg.get("mode") == "naive":
         score = 0.0  # naive's one-sequence limit is the mode's, judged by batching_mode
     return Ruling(bottleneck=MAX_NUM_SEQS, score=score, evidence=[
@@ -100,6 +137,7 @@ def _seqs(s: Signals, cfg: dict) -> Ruling:
         _ev("running_max", s.running_max, "==", cfg.get("max_num_seqs"),
             f"batch reached {s.running_max} sequences (max_num_seqs {cfg.get('max_num_seqs')})"),
         _ev("kv_use_p90", s.kv_use_p90, "<", KV_FULL, f"KV pool only {_pct(s.kv_use_p90)} used at p90"),
+        _wait_evidence(s),
     ])
 
 
@@ -110,6 +148,7 @@ def _budget(s: Signals, cfg: dict) -> Ruling:
         score = min(score, 0.9 * s.fixed_share / FIXED_SHARE_MIN)  # steps at the roofline: budget is no lever
     if queue_steps < QUEUE_STEPS_MIN:
         score = min(score, 0.9 * queue_steps / QUEUE_STEPS_MIN)
+    score = _weighed(score, s)
     if s.kv_use_p90 >= KV_FULL:
         score *= 0.5
     share = "-" if s.fixed_share is None else _pct(s.fixed_share)
@@ -123,6 +162,7 @@ def _budget(s: Signals, cfg: dict) -> Ruling:
             f"{share} of a full step's time is fixed cost, so bigger steps amortize it"
             f" (threshold {_pct(FIXED_SHARE_MIN)})"),
         _ev("kv_use_p90", s.kv_use_p90, "<", KV_FULL, f"KV pool {_pct(s.kv_use_p90)} used at p90"),
+        _wait_evidence(s),
     ])
 
 

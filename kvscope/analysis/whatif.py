@@ -25,7 +25,8 @@ from kvscope.protocol.events import RequestEvent, StepEvent
 # Engine settings a what-if carries over from a trace's hello config.
 CARRIED = ("mode", "policy", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
            "max_model_len", "seed", "prefix_caching", "preemption", "swap_space", "gpu", "tp",
-           "kv_cache_dtype", "gpu_memory_utilization", "sim_efficiency")
+           "kv_cache_dtype", "gpu_memory_utilization", "sim_efficiency",
+           "scheduler", "long_prefill_token_threshold")  # a trace of vLLM's scheduler replays through vLLM's
 PREFIX_TOKEN_BASE = 17  # the shared prefix's token ids start here; unique parts never repeat it
 
 

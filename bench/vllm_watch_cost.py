@@ -1,0 +1,123 @@
+"""What watching costs vLLM: the watched scheduler's per-step time beside vLLM's own scheduler time, one run.
+
+    python bench/vllm_watch_cost.py [--running 256] [--blocks 16384 65536] [--steps 200]
+
+For each pool size, two schedulers built by vLLM's path (tests/fakes/vllm_core.py) take the same
+requests: vLLM's own ``Scheduler`` and ``WatchedScheduler`` publishing to an in-memory publisher. They
+step alternately (the same load on both), ``--running`` requests in decode with a long prefill admitted
+every few steps. Per step it times vLLM's ``schedule()`` + ``update_from_output()`` on the plain one, the
+watch's hooks on the watched one (the time vLLM's thread spends in kvscope), and separately the encoding
+that ZmqPublisher's own thread does. Prints a table (medians over the steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(running: int, blocks: int, steps: int, full: bool = False) -> dict:
+    from kvscope.adapters.vllm_watch import Watch
+    from kvscope.protocol.codec import encode
+    from tests.fakes.vllm_core import Core, build
+
+    class Timed:
+        """An in-memory publisher; the events are encoded later, off the clock (ZmqPublisher's thread)."""
+
+        def __init__(self):
+            self.events = []
+
+        def publish(self, ev):
+            self.events.append(ev)
+
+        def take_dropped(self):
+            return 0
+
+        def close(self, linger=0.0):
+            pass
+
+    kw = dict(num_blocks=blocks, max_num_seqs=running, max_num_batched_tokens=8192, max_model_len=8192)
+    plain = Core(build(None, **kw))
+    sched = build("kvscope.adapters.vllm_watch.WatchedScheduler", **kw)
+    pub = Timed()
+    watch = sched._kvscope = Watch(sched, pub)
+    if full:  # VllmEventBuilder's whole-state diff, for comparison
+        from kvscope.adapters.vllm_events import VllmEventBuilder
+
+        watch.builder = VllmEventBuilder(sched)
+    watched = Core(sched)
+    hook = {"t": 0.0}
+    for name in ("added", "scheduled", "updated"):
+        orig = getattr(watch, name)
+
+        def timed(*a, _orig=orig):
+            t = time.perf_counter()
+            _orig(*a)
+            hook["t"] += time.perf_counter() - t
+        setattr(watch, name, timed)
+
+    def add(core, i):
+        core.add([1 + (i * 31 + k) % 997 for k in range(512)], 100_000)
+
+    for i in range(running):
+        add(plain, i)
+        add(watched, i)
+    for _ in range(running * 512 // 8192 + 4):  # prefill everyone
+        plain.step()
+        watched.step()
+    vllm_t, watch_t, encode_t = [], [], []
+    extra = running
+    for s in range(steps):
+        if s % 8 == 0:  # a long prompt arrives now and then: an admission, a prefill chunk, new blocks
+            plain.sched.finish_requests(plain.sched.running[0].request_id, _aborted())
+            watched.sched.finish_requests(watched.sched.running[0].request_id, _aborted())
+            add(plain, extra)
+            add(watched, extra)
+            extra += 1
+        t = time.perf_counter()
+        plain.step()
+        vllm_t.append(time.perf_counter() - t)
+        hook["t"] = 0.0
+        watched.step()
+        watch_t.append(hook["t"])
+        t = time.perf_counter()
+        for ev in pub.events:
+            encode(ev)
+        encode_t.append(time.perf_counter() - t)
+        pub.events.clear()
+    assert len(sched.running) == running and watch.errors == 0, (len(sched.running), watch.last_error)
+    med = statistics.median
+    return dict(running=running, blocks=blocks, steps=steps, vllm_ms=1e3 * med(vllm_t), watch_ms=1e3 * med(watch_t),
+                encode_ms=1e3 * med(encode_t), share=med(watch_t) / med(vllm_t))
+
+
+def _aborted():
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--full", action="store_true", help="also time VllmEventBuilder's whole-state diff")
+    args = ap.parse_args()
+    print("| builder | running | KV blocks | vLLM schedule+update (ms/step) | watch, vLLM's thread (ms/step) | share | "
+          "encode, publisher's thread (ms/step) |")
+    print("|---|---|---|---|---|---|---|")
+    for b in args.blocks:
+        for full in ((False, True) if args.full else (False,)):
+            r = run(args.running, b, args.steps, full)
+            print(f"| {'whole-state diff' if full else 'incremental'} | {r['running']} | {r['blocks']:,} | {r['vllm_ms']:.2f} | {r['watch_ms']:.2f} | "
+                  f"{100 * r['share']:.1f}% | {r['encode_ms']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
