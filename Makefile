@@ -12,7 +12,7 @@ TORCH_CPU := torch==2.13.0
 # `make test` runs this path; `make demo` does not need it (docs/VLLM.md names the versions checked).
 VLLM_PKGS := vllm==0.33.0 cbor2==6.3.0 oss-harmony==0.0.11 pybase64==1.5.1 cachetools==8.0.2 \
 	cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
-	fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6
+	fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 opentelemetry-api==1.45.2 einops==0.8.2
 VLLM_STAMP := $(VENV)/.vllm-stamp
 
 .PHONY: install fetch demo test bench screenshots clean vllm
