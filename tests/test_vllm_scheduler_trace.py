@@ -63,3 +63,22 @@ def test_trace_exports_and_diagnoses(vllm_trace, tmp_path, capsys):
         assert json.load(f)["traceEvents"]
     assert main(["diagnose", vllm_trace]) == 0
     assert "measure next" in capsys.readouterr().out
+
+
+def test_dashboard_header_names_vllms_scheduler(vllm_trace):
+    """The replayed dashboard says vLLM's scheduler decided, with its version, where kvscope shows its mode."""
+    import asyncio
+
+    from kvscope.tui.launch import make_replay_app
+    from kvscope.tui.widgets.header import HeaderBar
+
+    version = TraceReader(vllm_trace).hello.config.vllm_version
+
+    async def run() -> str:
+        app = make_replay_app(vllm_trace, playing=False)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.pause()
+            return str(app.screen.query_one(HeaderBar).render())
+
+    top = asyncio.run(run()).splitlines()[0]
+    assert f"vLLM {version} scheduler" in top and "chunked" not in top

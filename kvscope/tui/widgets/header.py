@@ -37,7 +37,11 @@ class HeaderBar(StateWidget):
                 top.append(" virtual clock", style=pal.dim)
             elif backend:
                 top.append(f" · {backend}", style=pal.dim)
-            top.append(f" │ {cfg.mode or '?'}", style="bold")
+            if cfg.scheduler == "vllm":  # vLLM's own V1 scheduler decides every step (--scheduler vllm)
+                version = cfg.vllm_version if isinstance(cfg.vllm_version, str) else ""
+                top.append(f" │ vLLM {version} scheduler".replace("  ", " "), style=f"bold {pal.warn}")
+            else:
+                top.append(f" │ {cfg.mode or '?'}", style="bold")
             top.append(f" · {cfg.policy or '?'}")
             nb = cfg.num_blocks or st.kv.total or len(st.blocks)
             top.append(f" │ {nb}×{cfg.block_size} blocks")
