@@ -69,15 +69,17 @@ def file_sha256(path: str) -> str:
 
 
 def _versions() -> dict:
-    import transformers
+    """The installed versions of the packages that convert (read from their metadata: importing transformers
+    here would take seconds that the digest check can overlap instead, see load_entry)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        from importlib.metadata import version
-
-        gguf_version = version("gguf")
-    except Exception:  # noqa: BLE001 - not installed: check_servable has already said so
-        gguf_version = "none"
-    return {"transformers": transformers.__version__, "gguf": gguf_version}
+    found = {}
+    for package in ("transformers", "gguf"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:  # gguf missing: check_servable has already said so
+            found[package] = "none"
+    return found
 
 
 def entry_for(gguf_path: str, dtype: torch.dtype, digest: str | None = None) -> Entry:
@@ -152,7 +154,7 @@ def load_entry(entry: Entry, dtype: torch.dtype, device: str):
     manifest = _read_manifest(entry)
     check_sizes(entry, manifest)
     checker = _Checker(entry, manifest)
-    checker.start()
+    checker.start()  # hashing lets go of the GIL: it runs on another core while transformers is imported and reads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
