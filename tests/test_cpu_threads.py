@@ -150,6 +150,24 @@ def test_idle_torch_threads_sleep_unless_the_user_chose():
     assert out.stdout.strip() == "ACTIVE"
 
 
+def test_every_command_waits_passively_even_one_that_imports_torch_early():
+    """libgomp reads its wait policy once, when torch loads it: `kvscope bench` imported torch before the model
+    backend (which sets it) and kept spinning waits. libgomp's own report (OMP_DISPLAY_ENV) says what it got:
+    a passive wait is a spin count of 0 (its default, left unset, is 300000)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import kvscope.cli.bench, torch; torch.ones(8).sum()"  # the command line, then torch before the engine
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "VERBOSE"},
+                         capture_output=True, text=True, check=True)
+    assert "GOMP_SPINCOUNT = '0'" in out.stderr
+    bare = subprocess.run([sys.executable, "-c", "import torch; torch.ones(8).sum()"],
+                          env={**env, "OMP_DISPLAY_ENV": "VERBOSE"}, capture_output=True, text=True, check=True)
+    assert "GOMP_SPINCOUNT = '0'" not in bare.stderr, "without kvscope, libgomp spins before it sleeps"
+
+
 def test_the_tuner_compares_like_for_like_steps_when_time_is_not_proportional_to_work():
     """The tiny model's steps cost mostly a fixed host overhead, so seconds per priced unit of work swing
     with the batch (prefill-heavy stretches look cheap per unit, decode stretches dear). Comparing a probe
