@@ -6,7 +6,8 @@
 
 --threads takes counts and `auto` (no --cpu-threads: the runner picks online, kvscope/engine/cpu_threads.py),
 each optionally with an OpenMP wait policy for its runs: `2:ACTIVE` is --cpu-threads 2 under OMP_WAIT_POLICY=ACTIVE
-(without one, the runs keep kvscope's own choice, PASSIVE unless the environment sets it).
+(without one, the runs keep kvscope's own choice, PASSIVE unless the environment sets it), and `2:PASSIVE:fixed`
+also sets KVSCOPE_FIXED_THREADS=1 (exactly 2 threads: the explicit count's tuner off).
 --competitor runs every row twice per round, quiet and beside one CPU-bound busy-loop process, interleaved
 (quiet t=1, loaded t=1, quiet t=2, loaded t=2, ... in one run), so both conditions see the same drift; the
 table then gives each condition's tok/s and each count against the best fixed count under the same load.
@@ -56,9 +57,17 @@ def _threads_args(n) -> list[str]:
 
 
 def _env(n) -> dict:
-    """A setting "COUNT:POLICY" (e.g. 2:ACTIVE) runs with OMP_WAIT_POLICY=POLICY; plain COUNT with kvscope's own."""
-    _, _, policy = str(n).partition(":")
-    return {**ENV, "OMP_WAIT_POLICY": policy} if policy else ENV
+    """A setting "COUNT:POLICY" (e.g. 2:ACTIVE) runs with OMP_WAIT_POLICY=POLICY, and "COUNT:POLICY:fixed" also
+    with KVSCOPE_FIXED_THREADS=1 (exactly COUNT threads, never fewer beside a competitor); plain COUNT with
+    kvscope's own choices."""
+    _, policy, fixed = (str(n).split(":") + ["", ""])[:3]
+    env = dict(ENV)
+    env.pop("KVSCOPE_FIXED_THREADS", None)
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    if fixed == "fixed":
+        env["KVSCOPE_FIXED_THREADS"] = "1"
+    return env
 
 
 def serve(n, model: str = "tiny", workload: str = "realsize", requests: str | None = "256") -> float:

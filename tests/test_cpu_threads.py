@@ -346,3 +346,47 @@ def test_beside_a_competitor_it_stops_asking_every_core_until_the_load_changes()
     load.readings = [0.0]  # the competitor leaves
     _drive(tuner, {2: 1.0, 1: 1.6}, 60)
     assert tuner.best == 2 and tuner.history[-1][0] <= 400 + LOAD_EVERY + 8, "read, probed (four pairs), switched"
+
+
+# ---- an explicit --cpu-threads N: a ceiling, left only beside a competitor (issue 42) ------------------
+def test_an_explicit_count_is_held_on_a_quiet_machine_even_where_fewer_would_win():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    for load in (_ScriptedLoad([0.0]), None):  # quiet, or no reading at all: exactly the count asked for
+        tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
+        used = _drive(tuner, {2: 3.0, 1: 1.0}, 200)
+        assert set(used) == {2} and tuner.switches == 0
+
+
+def test_an_explicit_count_drops_beside_a_competitor_and_comes_back_when_it_leaves():
+    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+
+    load = _ScriptedLoad([0.0])
+    tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
+    assert set(_drive(tuner, {2: 1.0, 1: 1.6}, 100)) == {2}
+    load.readings = [1.0]  # a busy loop starts: two threads now collapse
+    used = _drive(tuner, {2: 3.0, 1: 1.0}, 200)
+    assert tuner.best == 1 and used[-100:] == [1] * 100
+    load.readings = [0.0]  # it leaves: back to the count asked for, without a probe
+    used = _drive(tuner, {2: 1.0, 1: 1.6}, 2 * LOAD_EVERY)
+    assert tuner.best == 2 and used[-LOAD_EVERY:] == [2] * LOAD_EVERY
+
+
+def test_an_explicit_count_tunes_unless_the_user_fixes_it(restore_threads, monkeypatch):
+    from kvscope.engine.cpu_threads import FIXED_THREADS_ENV
+    from kvscope.engine.llm_engine import LLMEngine
+
+    monkeypatch.delenv(FIXED_THREADS_ENV, raising=False)
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=2))
+    try:
+        tuner = engine.runner.tuner.tuner
+        assert tuner.candidates == [2, 1] and tuner.only_beside_competitor
+        assert engine.hello().config.cpu.threads == 2
+    finally:
+        engine.close()
+    monkeypatch.setenv(FIXED_THREADS_ENV, "1")
+    fixed = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=2))
+    try:
+        assert fixed.runner.tuner is None and torch.get_num_threads() == 2
+    finally:
+        fixed.close()
