@@ -172,3 +172,18 @@ def test_a_model_an_engine_already_packed_is_not_written(cache, source):
     pack_linears(model)
     _, _, how = fresh_load(source, lambda: (model, None))
     assert how == "" and not os.path.exists(model_cache.entry_for(source, torch.float32).path)
+
+
+def test_an_upgrade_replaces_the_same_files_entry_and_keeps_the_others(cache, source, monkeypatch):
+    convert = Converter()
+    monkeypatch.setattr(model_cache, "_versions", lambda: {"transformers": "1.0", "gguf": "1.0"})
+    fresh_load(source, convert)
+    fresh_load(source, convert, dtype=torch.bfloat16)
+    old_f32 = model_cache.entry_for(source, torch.float32)
+    old_bf16 = model_cache.entry_for(source, torch.bfloat16)
+    monkeypatch.setattr(model_cache, "_versions", lambda: {"transformers": "2.0", "gguf": "1.0"})
+    _, _, how = fresh_load(source, convert)
+    assert how == "converted into the cache" and convert.calls == 3  # another converter: converted again
+    new_f32 = model_cache.entry_for(source, torch.float32)
+    assert sorted(os.listdir(model_cache.converted_dir())) == sorted([new_f32.key, old_bf16.key])
+    assert old_f32.key not in os.listdir(model_cache.converted_dir())

@@ -16,7 +16,8 @@ last, lists every file with its size and SHA-256: a file of the wrong size (trun
 before anything is read, and a changed byte while the weights load (the digests are checked
 beside the load, on another thread); either way the entry is moved aside and rebuilt from
 the GGUF, never used. Where the cache cannot be written, the model is loaded from the GGUF as
-before, with a one-line note.
+before, with a one-line note. Writing an entry deletes the same file's entries in the same dtype
+made by other versions (after an upgrade nothing would read them again).
 """
 
 from __future__ import annotations
@@ -199,6 +200,25 @@ def write_entry(entry: Entry, model, tokenizer) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def prune_superseded(entry: Entry) -> int:
+    """Delete the entries of the same GGUF in the same dtype made by other versions (an upgrade of transformers or
+    of this module leaves them unreachable); returns how many. Entries of other files or dtypes are kept."""
+    parent, same = os.path.dirname(entry.path), 0
+    for name in os.listdir(parent):
+        if name == entry.key or name.startswith("."):
+            continue
+        other = Entry(os.path.join(parent, name), name, {})
+        try:
+            source = _read_manifest(other).get("source", {})
+        except CorruptEntry:
+            continue  # not an entry we can read: someone else's, or one being replaced; left alone
+        if (isinstance(source, dict) and source.get("gguf_sha256") == entry.key_fields["gguf_sha256"]
+                and source.get("dtype") == entry.key_fields["dtype"]):
+            discard(other)
+            same += 1
+    return same
+
+
 def discard(entry: Entry) -> None:
     """Move a bad entry out of the way (a rename: a reader that has it open keeps its files), then delete it."""
     aside = f"{entry.path}.bad-{os.getpid()}"
@@ -255,6 +275,7 @@ def load(gguf_path: str, dtype: torch.dtype, device: str,
         return model, tokenizer, ""
     try:
         write_entry(entry, model, tokenizer)
+        prune_superseded(entry)
     except OSError as e:
         log(f"cannot write the converted cache ({e.strerror or e}); the next start converts the GGUF again")
         return model, tokenizer, ""
