@@ -186,6 +186,8 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--competitor", action="store_true",
                    help="measure each run quiet and beside one busy-loop process, interleaved")
+    p.add_argument("--loaded-only", action="store_true",
+                   help="with --competitor: only the runs beside the busy loop (half the time, on a slow machine)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--report", metavar="FILE", action="append", default=[],
                    help="print the table of earlier --json results instead of measuring (repeatable)")
@@ -203,7 +205,7 @@ def main() -> int:
         return 0
     threads = [x if not x.isdigit() else int(x) for x in dict.fromkeys(args.threads.split(","))]
     rows = args.rows.split(",")
-    loads = ["quiet", "loaded"] if args.competitor else ["quiet"]
+    loads = (["loaded"] if args.loaded_only else ["quiet", "loaded"]) if args.competitor else ["quiet"]
     runs: dict = {r: {f"{load}/{n}": [] for n in threads for load in loads} for r in rows}
     uptimes = []
     for rnd in range(args.rounds):
