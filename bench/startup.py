@@ -18,7 +18,13 @@ Rows:
               `kvscope serve --backend sim --num-requests 2000 --record FILE` unless --big-trace names one);
 - demo-real:  `kvscope demo --model smollm2-135m`: the first frame, and whether the engine's progress
               line ("starting the engine ...") is on the screen before the first step (the model
-              loads for ~30 s first; the row waits --real-timeout for the first step).
+              is read from the converted cache, kvscope/engine/model_cache.py, written by `kvscope
+              fetch` or the first start; the row waits --real-timeout for the first step);
+- demo-real-uncached: the same with KVSCOPE_NO_MODEL_CACHE=1: transformers parses and dequantizes
+              the GGUF at every start, as before the cache;
+- serve-real: `kvscope serve --model smollm2-135m --http 127.0.0.1:PORT`: seconds until GET /health
+              answers 200 (its "first step" column; no frame);
+- serve-real-uncached: the same with KVSCOPE_NO_MODEL_CACHE=1.
 
 The demo rows bind kvscope's default ports (5557/5558): nothing else may hold them meanwhile.
 The first --warmup rounds (default 1: a cold file cache is not what the figures are about) are
@@ -49,7 +55,8 @@ BIG_TRACE = os.path.join(tempfile.gettempdir(), "kvscope-startup-big.kvtrace")
 BIG_REQUESTS = 2000  # ~134k sim steps
 COLS, ROWS = 160, 50
 PROGRESS_TEXT = "starting the engine"  # the demo's header line while its engine loads (tui/demo.py)
-ALL_ROWS = ("demo", "replay", "replay-big", "demo-real")
+ALL_ROWS = ("demo", "replay", "replay-big", "demo-real", "demo-real-uncached", "serve-real", "serve-real-uncached")
+UNCACHED = {"KVSCOPE_NO_MODEL_CACHE": "1"}
 ANSI = re.compile(rb"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[@-Z\\-_])")
 MAX_SCREEN_BYTES = 4 << 20  # what is kept of a run's terminal output (for the progress-line check)
 
@@ -69,10 +76,61 @@ def row_spec(name: str, args: argparse.Namespace) -> dict:
         return {"cmd": kv + ["replay", args.trace], "need_step": True, "timeout": args.timeout}
     if name == "replay-big":
         return {"cmd": kv + ["replay", args.big_trace], "need_step": True, "timeout": args.timeout}
-    if name == "demo-real":
+    if name in ("demo-real", "demo-real-uncached"):
         return {"cmd": kv + ["demo", "--model", "smollm2-135m"], "need_step": True,
-                "timeout": args.real_timeout, "progress": True}
+                "timeout": args.real_timeout, "progress": True, "env": UNCACHED if "uncached" in name else {}}
+    if name in ("serve-real", "serve-real-uncached"):
+        port = _free_port()
+        return {"cmd": kv + ["serve", "--model", "smollm2-135m", "--http", f"127.0.0.1:{port}"], "health_port": port,
+                "timeout": args.real_timeout, "env": UNCACHED if "uncached" in name else {}}
     raise SystemExit(f"startup.py: unknown row {name!r} (rows: {', '.join(ALL_ROWS)})")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def run_health(spec: dict) -> dict:
+    """One run of a server row: seconds from spawn until /health answers 200 (kept as first_step_s)."""
+    env = dict(os.environ, **spec.get("env", {}))
+    t0 = time.time()
+    proc = subprocess.Popen(spec["cmd"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True)
+    result: dict = {"first_draw_s": None, "first_step_s": None}
+    try:
+        deadline = time.monotonic() + spec["timeout"]
+        while time.monotonic() < deadline and proc.poll() is None:
+            if _healthy(spec["health_port"]):
+                result["first_step_s"] = round(time.time() - t0, 4)
+                break
+            time.sleep(0.05)
+        else:
+            result["error"] = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                               else f"timed out after {spec['timeout']:g} s")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=15)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+    return result
 
 
 def make_big_trace(path: str, requests: int = BIG_REQUESTS) -> None:
@@ -152,7 +210,7 @@ def run_once(spec: dict) -> dict:
     """One run of a row's command: seconds from spawn to first draw, first step, progress line."""
     fd, log_path = tempfile.mkstemp(prefix="kvscope-startup-", suffix=".log")
     os.close(fd)
-    env = dict(os.environ, KVSCOPE_STARTUP_LOG=log_path, TERM=os.environ.get("TERM", "xterm-256color"),
+    env = dict(os.environ, **spec.get("env", {}), KVSCOPE_STARTUP_LOG=log_path, TERM=os.environ.get("TERM", "xterm-256color"),
                COLUMNS=str(COLS), LINES=str(ROWS))
     if env["TERM"] in ("", "dumb"):
         env["TERM"] = "xterm-256color"
@@ -241,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     for rnd in range(args.warmup + args.runs):
         for r in rows:
-            res = run_once(specs[r])
+            res = run_health(specs[r]) if "health_port" in specs[r] else run_once(specs[r])
             res["warmup"] = rnd < args.warmup
             runs[r].append(res)
             shown = {k: v for k, v in res.items() if v is not None}
@@ -261,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
             row["trace_bytes"] = os.path.getsize(path) if os.path.exists(path) else None
         out_rows.append(row)
     print(f"\nstart-up, seconds from the command (median / max of {args.runs} runs, {args.warmup} warm-up left out)")
-    print(f"{'row':<11} {'first frame':>13} {'first step':>13} {'errors':>6}  command")
+    print(f"{'row':<19} {'first frame':>13} {'first step':>13} {'errors':>6}  command "
+          "(serve rows: first step = /health answers)")
     for row in out_rows:
-        print(f"{row['row']:<11} {fmt(row['first_draw_s']):>13} {fmt(row['first_step_s']):>13} "
-              f"{row['errors']:>6}  {row['command']}")
+        env = " ".join(f"{k}={v}" for k, v in specs[row["row"]].get("env", {}).items())
+        print(f"{row['row']:<19} {fmt(row['first_draw_s']):>13} {fmt(row['first_step_s']):>13} "
+              f"{row['errors']:>6}  {env + ' ' if env else ''}{row['command']}")
         if "progress_before_step" in row:
-            print(f"{'':<11} progress line on screen at {fmt(row['progress_s'])} s, before the first step: "
+            print(f"{'':<19} progress line on screen at {fmt(row['progress_s'])} s, before the first step: "
                   f"{'yes' if row['progress_before_step'] else 'NO'}")
     if args.json:
         doc = {"bench": "startup", "runs": args.runs, "warmup": args.warmup,

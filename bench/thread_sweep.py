@@ -4,7 +4,10 @@
     python bench/thread_sweep.py --competitor [--threads 1,2,auto] [--rows serve-mixed] [--json FILE]
     python bench/thread_sweep.py --report bench/results/threads-cpu.json
 
---threads takes counts and `auto` (no --cpu-threads: the runner picks online, kvscope/engine/cpu_threads.py).
+--threads takes counts and `auto` (no --cpu-threads: the runner picks online, kvscope/engine/cpu_threads.py),
+each optionally with an OpenMP wait policy for its runs: `2:ACTIVE` is --cpu-threads 2 under OMP_WAIT_POLICY=ACTIVE
+(without one, the runs keep kvscope's own choice, PASSIVE unless the environment sets it), and `2:PASSIVE:fixed`
+also sets KVSCOPE_FIXED_THREADS=1 (exactly 2 threads: the explicit count's tuner off).
 --competitor runs every row twice per round, quiet and beside one CPU-bound busy-loop process, interleaved
 (quiet t=1, loaded t=1, quiet t=2, loaded t=2, ... in one run), so both conditions see the same drift; the
 table then gives each condition's tok/s and each count against the best fixed count under the same load.
@@ -17,6 +20,7 @@ shared machine falls on both):
 - bench:      `kvscope bench --model tiny --workload realsize --num-requests 256 --modes chunked
               --peers hf-generate-batch`
               (kvscope's row and the peer's, both at the same thread count);
+- chunked-mixed: the tiny model, 16 requests of the mixed workload, kvscope's chunked row alone (short: a loaded machine);
 - demo:       the demo's engine (`kvscope demo`'s own command line) with the dashboard watching in
               a second process, as `make demo` runs them; tok/s counted from the step events over
               a fixed window after a warm-up;
@@ -42,12 +46,28 @@ PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 
-def _kvscope(args: list[str], timeout: float) -> None:
-    subprocess.run([PY, "-m", "kvscope", *args], env=ENV, cwd=ROOT, check=True, capture_output=True, timeout=timeout)
+def _kvscope(args: list[str], timeout: float, n=None) -> None:
+    subprocess.run([PY, "-m", "kvscope", *args], env=_env(n), cwd=ROOT, check=True, capture_output=True,
+                   timeout=timeout)
 
 
 def _threads_args(n) -> list[str]:
-    return [] if n == "auto" else ["--cpu-threads", str(n)]
+    count = str(n).split(":")[0]
+    return [] if count == "auto" else ["--cpu-threads", count]
+
+
+def _env(n) -> dict:
+    """A setting "COUNT:POLICY" (e.g. 2:ACTIVE) runs with OMP_WAIT_POLICY=POLICY, and "COUNT:POLICY:fixed" also
+    with KVSCOPE_FIXED_THREADS=1 (exactly COUNT threads, never fewer beside a competitor); plain COUNT with
+    kvscope's own choices."""
+    _, policy, fixed = (str(n).split(":") + ["", ""])[:3]
+    env = dict(ENV)
+    env.pop("KVSCOPE_FIXED_THREADS", None)
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    if fixed == "fixed":
+        env["KVSCOPE_FIXED_THREADS"] = "1"
+    return env
 
 
 def serve(n, model: str = "tiny", workload: str = "realsize", requests: str | None = "256") -> float:
@@ -55,20 +75,21 @@ def serve(n, model: str = "tiny", workload: str = "realsize", requests: str | No
         out = os.path.join(d, "serve.json")
         extra = ["--num-requests", requests] if requests else []
         _kvscope(["serve", "--device", "cpu", "--model", model, "--workload", workload, *extra,
-                  *_threads_args(n), "--no-progress", "--json", out], timeout=1200)
+                  *_threads_args(n), "--no-progress", "--json", out], timeout=1200, n=n)
         with open(out) as f:
             return json.load(f)["summary"]["output_tok_per_s"]
 
 
-def bench(n, workload: str = "realsize", requests: str = "256") -> tuple[float, float]:
+def bench(n, workload: str = "realsize", requests: str = "256", peers: bool = True) -> tuple[float, ...]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
         _kvscope(["bench", "--device", "cpu", "--model", "tiny", "--workload", workload, "--num-requests", requests,
-                  "--modes", "chunked", "--peers", "hf-generate-batch", *_threads_args(n), "--json", out],
-                 timeout=1200)
+                  "--modes", "chunked", *(["--peers", "hf-generate-batch"] if peers else []), *_threads_args(n),
+                  "--json", out],
+                 timeout=1200, n=n)
         with open(out) as f:
             rows = {r["name"]: r["output_tok_per_s"] for r in json.load(f)["rows"]}
-        return rows["chunked"], rows["hf-generate-batch"]
+        return (rows["chunked"], rows["hf-generate-batch"]) if peers else (rows["chunked"],)
 
 
 def _free_port() -> int:
@@ -98,7 +119,7 @@ def demo(n: int, model: str = "tiny", warmup: float = 8.0, window: float = 25.0)
 
     ev, ctl = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     cmd = demo_command(ev, ctl, device="cpu", model=model, extra_args=tuple(_threads_args(n)))
-    engine = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(cmd, env=_env(n), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tui = subprocess.Popen([PY, "-c", DASHBOARD, ev, ctl, str(warmup + window + 30)], env=ENV, cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sub = Subscriber(ev)
@@ -137,6 +158,8 @@ ROWS = {
     "demo-real": lambda n: {"kvscope": demo(n, "qwen3-0.6b-shape", warmup=20.0, window=40.0)},
     # issue 29's contention table: the tiny model, 48 requests of the mixed workload, chunked and generate_batch
     "bench-mixed": lambda n: dict(zip(("chunked", "hf-generate-batch"), bench(n, "mixed", "48"))),
+    # the same, kvscope's row alone (issue 42's wait-policy A/B: a third of the requests, more rounds in the same time)
+    "chunked-mixed": lambda n: dict(zip(("chunked",), bench(n, "mixed", "16", peers=False))),
 }
 
 COMPETITOR = "while True: pass"  # one CPU-bound process, as a browser tab or a second engine would be
@@ -163,6 +186,8 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     p.add_argument("--competitor", action="store_true",
                    help="measure each run quiet and beside one busy-loop process, interleaved")
+    p.add_argument("--loaded-only", action="store_true",
+                   help="with --competitor: only the runs beside the busy loop (half the time, on a slow machine)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--report", metavar="FILE", action="append", default=[],
                    help="print the table of earlier --json results instead of measuring (repeatable)")
@@ -178,9 +203,9 @@ def main() -> int:
             else:
                 print(table(saved["runs"], saved["threads"], saved["cores"], rounds))
         return 0
-    threads = [x if x == "auto" else int(x) for x in dict.fromkeys(args.threads.split(","))]
+    threads = [x if not x.isdigit() else int(x) for x in dict.fromkeys(args.threads.split(","))]
     rows = args.rows.split(",")
-    loads = ["quiet", "loaded"] if args.competitor else ["quiet"]
+    loads = (["loaded"] if args.loaded_only else ["quiet", "loaded"]) if args.competitor else ["quiet"]
     runs: dict = {r: {f"{load}/{n}": [] for n in threads for load in loads} for r in rows}
     uptimes = []
     for rnd in range(args.rounds):
@@ -217,7 +242,7 @@ def main() -> int:
 def contention_table(runs: dict, threads: list, loads: list[str]) -> str:
     """Per row and load: median tok/s per thread setting, and each setting against the best fixed count
     under the same load (issue 29's bar: no row below 90% of the better of 1 or all threads)."""
-    fixed = [n for n in threads if n != "auto"]
+    fixed = [n for n in threads if not str(n).startswith("auto")]
     lines = ["output tok/s, median of rounds; (x) = against the best fixed thread count under the same load",
              f"{'row':<28} " + " ".join(f"{'t=' + str(n):>16}" for n in threads)]
     for row, per in runs.items():

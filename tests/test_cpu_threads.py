@@ -150,6 +150,24 @@ def test_idle_torch_threads_sleep_unless_the_user_chose():
     assert out.stdout.strip() == "ACTIVE"
 
 
+def test_every_command_waits_passively_even_one_that_imports_torch_early():
+    """libgomp reads its wait policy once, when torch loads it: `kvscope bench` imported torch before the model
+    backend (which sets it) and kept spinning waits. libgomp's own report (OMP_DISPLAY_ENV) says what it got:
+    a passive wait is a spin count of 0 (its default, left unset, is 300000)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import kvscope.cli.bench, torch; torch.ones(8).sum()"  # the command line, then torch before the engine
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "VERBOSE"},
+                         capture_output=True, text=True, check=True)
+    assert "GOMP_SPINCOUNT = '0'" in out.stderr
+    bare = subprocess.run([sys.executable, "-c", "import torch; torch.ones(8).sum()"],
+                          env={**env, "OMP_DISPLAY_ENV": "VERBOSE"}, capture_output=True, text=True, check=True)
+    assert "GOMP_SPINCOUNT = '0'" not in bare.stderr, "without kvscope, libgomp spins before it sleeps"
+
+
 def test_the_tuner_compares_like_for_like_steps_when_time_is_not_proportional_to_work():
     """The tiny model's steps cost mostly a fixed host overhead, so seconds per priced unit of work swing
     with the batch (prefill-heavy stretches look cheap per unit, decode stretches dear). Comparing a probe
@@ -328,3 +346,47 @@ def test_beside_a_competitor_it_stops_asking_every_core_until_the_load_changes()
     load.readings = [0.0]  # the competitor leaves
     _drive(tuner, {2: 1.0, 1: 1.6}, 60)
     assert tuner.best == 2 and tuner.history[-1][0] <= 400 + LOAD_EVERY + 8, "read, probed (four pairs), switched"
+
+
+# ---- an explicit --cpu-threads N: a ceiling, left only beside a competitor (issue 42) ------------------
+def test_an_explicit_count_is_held_on_a_quiet_machine_even_where_fewer_would_win():
+    from kvscope.engine.cpu_threads import ThreadTuner
+
+    for load in (_ScriptedLoad([0.0]), None):  # quiet, or no reading at all: exactly the count asked for
+        tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
+        used = _drive(tuner, {2: 3.0, 1: 1.0}, 200)
+        assert set(used) == {2} and tuner.switches == 0
+
+
+def test_an_explicit_count_drops_beside_a_competitor_and_comes_back_when_it_leaves():
+    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+
+    load = _ScriptedLoad([0.0])
+    tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
+    assert set(_drive(tuner, {2: 1.0, 1: 1.6}, 100)) == {2}
+    load.readings = [1.0]  # a busy loop starts: two threads now collapse
+    used = _drive(tuner, {2: 3.0, 1: 1.0}, 200)
+    assert tuner.best == 1 and used[-100:] == [1] * 100
+    load.readings = [0.0]  # it leaves: back to the count asked for, without a probe
+    used = _drive(tuner, {2: 1.0, 1: 1.6}, 2 * LOAD_EVERY)
+    assert tuner.best == 2 and used[-LOAD_EVERY:] == [2] * LOAD_EVERY
+
+
+def test_an_explicit_count_tunes_unless_the_user_fixes_it(restore_threads, monkeypatch):
+    from kvscope.engine.cpu_threads import FIXED_THREADS_ENV
+    from kvscope.engine.llm_engine import LLMEngine
+
+    monkeypatch.delenv(FIXED_THREADS_ENV, raising=False)
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=2))
+    try:
+        tuner = engine.runner.tuner.tuner
+        assert tuner.candidates == [2, 1] and tuner.only_beside_competitor
+        assert engine.hello().config.cpu.threads == 2
+    finally:
+        engine.close()
+    monkeypatch.setenv(FIXED_THREADS_ENV, "1")
+    fixed = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=64, cpu_threads=2))
+    try:
+        assert fixed.runner.tuner is None and torch.get_num_threads() == 2
+    finally:
+        fixed.close()

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from kvscope import workload as wl
 from kvscope.analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields, usd_per_mtok
-from kvscope.engine.config import EngineConfig
+from kvscope.bench import SINGLE_STREAM
+from kvscope.engine.config import EngineConfig, Mode
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, mean
 from kvscope.quantiles import percentile
@@ -109,6 +110,14 @@ def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
     server.run(items)
     engine.close()
     return engine, server
+
+
+def row_config(config: EngineConfig, row: str) -> EngineConfig:
+    """The engine config of one of the bench's kvscope rows: a mode, or single-stream (chunked, max_num_seqs=1;
+    its ITL is one stream's, to set beside llama.cpp's one-at-a-time row)."""
+    if row == SINGLE_STREAM:
+        return replace(config, mode=Mode.CHUNKED, max_num_seqs=1)
+    return replace(config, mode=row)
 
 
 def mode_row(name: str, engine, server, **extra: Any) -> Row:

@@ -3,6 +3,8 @@
 Every request arrives at t=0 (an offline batch), so all rows see the same work
 and TTFT includes queueing. Rows:
 - naive, static, continuous, chunked: kvscope's scheduler modes;
+- single-stream (asked for by --modes): chunked with one request running at a time, as a person chatting
+  and as llama-cpp's row serve; its ITL is one stream's;
 - hf-static: transformers `generate` on padded static batches of max_num_seqs;
 - hf-generate-batch: transformers' own continuous batching (`generate_batch`'s manager).
 
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 
 from kvscope.bench import events, peers, roofline
-from kvscope.bench.harness import bench_workload, mode_row, model_info, run_config
+from kvscope.bench import SINGLE_STREAM
+from kvscope.bench.harness import bench_workload, mode_row, model_info, row_config, run_config
 from kvscope.analysis.goodput import NO_SLO
 from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig, Mode
@@ -45,8 +48,8 @@ class BenchOptions:
 def check_row_names(options: BenchOptions) -> None:
     """Every row's name, checked before minutes are spent on the first ones."""
     for mode in options.modes:
-        if mode not in MODES:
-            raise KvscopeError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if mode not in (*MODES, SINGLE_STREAM):
+            raise KvscopeError(f"unknown mode {mode!r} (choose from {', '.join((*MODES, SINGLE_STREAM))})")
     for peer in options.peers:
         if peer not in peers.PEERS:
             raise KvscopeError(f"unknown peer {peer!r} (choose from {', '.join(peers.PEERS)})")
@@ -70,7 +73,7 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
         steps: list = []
-        engine, server = run_config(replace(config, mode=mode), items, slo=options.slo or NO_SLO,
+        engine, server = run_config(row_config(config, mode), items, slo=options.slo or NO_SLO,
                                     before_run=(lambda e: steps.append(roofline.StepShapes(e.runner)))
                                     if options.roofline else None)
         if not rows:

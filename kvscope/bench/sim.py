@@ -11,13 +11,12 @@ import math
 import platform
 import sys
 import time
-from dataclasses import replace
 from random import Random
 
 import msgspec
 
 from kvscope import workload as wl
-from kvscope.bench.harness import Row, bench_workload, mode_row, model_info, run_config
+from kvscope.bench.harness import Row, bench_workload, mode_row, model_info, row_config, run_config
 from kvscope.bench.preset import load_preset
 from kvscope.analysis.goodput import NO_SLO, Slo
 from kvscope.bench.report import ranking_lines, rows_table
@@ -54,7 +53,7 @@ def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roof
         log(f"[bench sim] {mode} ...", file=sys.stderr)
         wall = time.perf_counter()
         steps: list[StepShapes] = []
-        engine, server = run_config(replace(config, mode=mode), items, slo=slo,
+        engine, server = run_config(row_config(config, mode), items, slo=slo,
                                     before_run=(lambda e: steps.append(StepShapes(e.runner))) if roofline else None)
         row = sim_row(mode, engine, server, time.perf_counter() - wall)
         if roofline:

@@ -8,6 +8,7 @@ import sys
 from kvscope.cli.command import Command
 from kvscope.cli.common import (UsageError, add_slo_args, check_output_path, comma_list, engine_args, engine_config,
                                 explicit_sim_overrides, slo_from_args, workload_args, write_json)
+from kvscope.bench import SINGLE_STREAM
 from kvscope.engine.config import MODES
 
 
@@ -19,8 +20,10 @@ class Bench(Command):
         engine_args(p)
         workload_args(p, "mixed")
         modes = [str(m) for m in MODES]
-        p.add_argument("--modes", type=comma_list(modes, "mode"), default=modes,
-                       help=f"comma list of {', '.join(modes)} (default: all)")
+        rows = [*modes, SINGLE_STREAM]
+        p.add_argument("--modes", type=comma_list(rows, "mode"), default=modes,
+                       help=f"comma list of {', '.join(rows)} (default: the four modes; {SINGLE_STREAM} is chunked "
+                            "with one request running at a time)")
         p.add_argument("--peers", type=comma_list(), default=["hf-static", "hf-generate-batch"],
                        help="comma list of hf-static, hf-generate-batch, llama-cpp (llama-cpp-python on the "
                        "same --model PATH.gguf, one request at a time), llama-server (llama.cpp's server, "

@@ -1,4 +1,6 @@
-"""`kvscope fetch`: download a named real model into the cache once (kvscope.engine.named_models)."""
+"""`kvscope fetch`: download a named real model into the cache once (kvscope.engine.named_models), and
+convert it once into the form the engine reads directly (kvscope.engine.model_cache), so the first
+`kvscope demo --model NAME` starts as fast as every later one."""
 
 from __future__ import annotations
 
@@ -17,11 +19,24 @@ class Fetch(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         # the name is checked in run(): building the parser must load nothing of the engine but its config
         p.add_argument("name", metavar="NAME", help=f"one of: {', '.join(FETCHABLE)}")
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="the dtype to convert the weights to, as the engine's --dtype (default auto: bfloat16 "
+                            "on CPUs with AMX or AVX-512 BF16, else float32)")
+        p.add_argument("--no-convert", action="store_true",
+                       help="download only; the first start then converts (slow once)")
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.engine.named_models import NAMED_MODELS, fetch
 
         if args.name not in NAMED_MODELS:
             raise UsageError(f"unknown model {args.name!r} (choose from {', '.join(NAMED_MODELS)})")
-        print(fetch(args.name))
+        path = fetch(args.name)
+        if not args.no_convert:
+            import torch
+
+            from kvscope.engine.model_backend import resolve_dtype
+            from kvscope.engine.models import load_model
+
+            load_model(args.name, resolve_dtype(args.dtype, torch.device("cpu")), "cpu")  # converts, or checks
+        print(path)
         return 0

@@ -73,7 +73,9 @@ class EngineConfig:
     kv_cache_space: float | None = setting(None, "CPU: GiB for the KV cache (default: half of the available memory, "
                                                  "at most 4)", metavar="GIB")
     cpu_threads: int | None = setting(None, "torch threads on CPU (default: every core; `kvscope demo` leaves "
-                                            "its dashboard one)")
+                                            "its dashboard one); at most this many: beside a busy process the "
+                                            "runner drops to one where that is faster (KVSCOPE_FIXED_THREADS=1: "
+                                            "exactly this many)")
     enforce_eager: bool = setting(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory for weights, activations and KV")
     # backend="sim" (docs/SIM.md): model is a catalog name (kvscope.engine.sim.catalog)

@@ -29,8 +29,16 @@ competitor that arrives late is met within a few dozen steps rather than at the 
 Beside a competitor, once fewer threads have won, every core is not asked again until the load
 changes; on a quiet machine two lucky pairs decide nothing (a clear win needs the competitor).
 
+An explicit --cpu-threads N (N > 1) is a ceiling, not a promise to collapse: the same tuner runs
+between N and one thread, but only while the kernel's accounting shows a competitor (half a core or
+more); on a quiet machine, or where there is no reading, the engine runs on exactly N, and when
+the competitor leaves it goes back to N at once. Issue 42 measured a fixed 2 threads beside one
+busy loop at 637-733 tok/s against 1,092-2,024 on one thread; the passive wait alone recovered part
+of it. KVSCOPE_FIXED_THREADS=1 keeps the old meaning (exactly N, always), for measurements of N itself.
+
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
-imported unless the user set it), so a waiting thread does not take a core from the competitor.
+imported unless the user set it: by the command line's package before any command runs, and by the
+model backend for library use), so a waiting thread does not take a core from the competitor.
 """
 
 from __future__ import annotations
@@ -42,10 +50,16 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+FIXED_THREADS_ENV = "KVSCOPE_FIXED_THREADS"  # set (not 0): an explicit --cpu-threads is exactly that, always
 CLEAR_RATIO = 1.5  # after two pairs, a candidate this much slower (or faster) ends its probe: the case is clear
 AFTER_SWITCH = 4  # after a switch the next probe waits this many first gaps
 LOAD_EVERY = 16  # steps between readings of other processes' load (cpu_load.py)
 LOAD_CHANGE = 0.5  # cores: a change of other processes' load this large brings the next probe forward
+
+
+def explicit_count_tunes() -> bool:
+    """Whether an explicit --cpu-threads N may drop to fewer beside a competitor (the default; see above)."""
+    return os.environ.get(FIXED_THREADS_ENV, "") in ("", "0")
 
 
 def prefer_passive_wait() -> None:
@@ -59,10 +73,12 @@ class ThreadTuner:
 
     def __init__(self, candidates: list[int], set_threads: Callable[[int], None], *, probe_pairs: int = 4,
                  first_gap: int = 8, max_gap: int = 1024, switch_margin: float = 1.05, warmup_steps: int = 2,
-                 load=None) -> None:
-        """load: an OtherLoad (cpu_load.py), or None: where to start, and when the machine changed."""
+                 load=None, only_beside_competitor: bool = False) -> None:
+        """load: an OtherLoad (cpu_load.py), or None: where to start, and when the machine changed.
+        only_beside_competitor: an explicit count (the most candidates) held unless load reads a competitor."""
         self.candidates = sorted(set(candidates), reverse=True)  # most threads first: today's default
         self.load = load
+        self.only_beside_competitor = only_beside_competitor
         self._load_at_choice: float | None = None  # other processes' cores when the count was last settled
         self._last_load: float | None = None  # the latest reading
         self.set_threads = set_threads
@@ -128,12 +144,24 @@ class ThreadTuner:
             return
         if self.load is not None and self._probing is None and (self._starting or self._step % LOAD_EVERY == 0):
             self._read_load()
+        if self.only_beside_competitor and not (self._last_load is not None and self._last_load >= LOAD_CHANGE):
+            self._hold_the_explicit_count()
+            return
         if self._probing is None and self._since_probe >= self.gap:
             self._probe = [c for c in self.candidates if c != self.best]
             self._ratios = {}
             self._start_next_probe()
         if self._probing is not None:
             self._use(self._probing if self._on_candidate else self.best)
+
+    def _hold_the_explicit_count(self) -> None:
+        """No competitor in sight: the count the user asked for, and no probe (one under way is dropped)."""
+        self._probing = None
+        if self.best != self.candidates[0]:
+            self.best = self.candidates[0]
+            self.history.append((self._step, self.best))
+            self._since_probe, self.gap = 0, self.first_gap
+        self._use(self.best)
 
     def _start_next_probe(self) -> None:
         self._probing = self._probe.pop(0)

@@ -15,7 +15,8 @@ from kvscope.engine.cpu_dtype import auto_cpu_dtype
 from kvscope.engine.cpu_linear import pack_linears
 from kvscope.engine.cpu_load import OtherLoad
 from kvscope.engine.cpu_malloc import keep_freed_memory
-from kvscope.engine.cpu_threads import StepTuner, ThreadTuner, cost_model_price, thread_candidates
+from kvscope.engine.cpu_threads import (StepTuner, ThreadTuner, cost_model_price, explicit_count_tunes,
+                                        thread_candidates)
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.model_runner import ModelRunner
 from kvscope.engine.models import LoadedModel, load_model
@@ -88,9 +89,11 @@ class ModelBackend:
         if not self.on_cuda:
             self.cpu_threads = config.cpu_threads or default_cpu_threads()
             torch.set_num_threads(self.cpu_threads)
-            if config.cpu_threads is None and len(thread_candidates(self.cpu_threads)) > 1:
+            explicit = config.cpu_threads is not None
+            if len(thread_candidates(self.cpu_threads)) > 1 and (not explicit or explicit_count_tunes()):
+                # an explicit count is a ceiling: fewer threads only beside a competitor (cpu_threads.py)
                 self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads,
-                                                load=other_load)
+                                                load=other_load, only_beside_competitor=explicit)
 
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model

@@ -89,14 +89,21 @@ def _read_hf_config(path: str):
 
 
 def _load_gguf(name: str, path: str, dtype: torch.dtype, device: str) -> LoadedModel:
-    from kvscope.engine import gguf
+    from kvscope.engine import gguf, model_cache
 
-    model, hf_tokenizer, header = gguf.load_gguf(path, dtype, device)
+    header = gguf.check_servable(path)  # refused in one line before any conversion or cache read
+
+    def convert():
+        return gguf.load_gguf(path, dtype, device)[:2]
+
+    model, hf_tokenizer, how = model_cache.load(path, dtype, device, convert)
     attention_spec(model.config, path)  # refuse sliding-window layouts kvscope does not implement
     tokenizer = HFTokenizer.wrap(hf_tokenizer) if hf_tokenizer is not None else None
     quants = "+".join(q for q in header.quant_names() if q not in ("F32", "F16", "BF16")) or "float"
+    cached = f"; {how}" if how else ""
     return _loaded(model, tokenizer, _eos_ids(model, tokenizer), name,
-                   source=f"{os.path.basename(path)}, {header.architecture}, {quants} dequantized by transformers",
+                   source=f"{os.path.basename(path)}, {header.architecture}, {quants} dequantized by transformers"
+                          f"{cached}",
                    weight_bytes=gguf.weight_bytes(model))
 
 
