@@ -153,6 +153,10 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     config = EngineConfig(**{**engine_settings(args), **overrides})
     config.validate()  # one line before anything is loaded or allocated
+    if config.backend == "model":
+        from kvscope.engine.named_models import check_model_name
+
+        check_model_name(config.model)
     return config
 
 
@@ -238,11 +242,69 @@ class NoProgress:
         pass
 
 
-def progress_bar(enabled: bool, *, total: int | None, desc: str, unit: str = "req"):
+def progress_bar(enabled: bool, *, total: int | None, desc: str, unit: str = "req", unbounded: str | None = None):
     """A tqdm bar on stderr, or a NoProgress. Callers never test it for truth: tqdm refuses bool() on
-    a bar without a total (an open-ended run such as `serve --http` or `--forever`)."""
+    a bar without a total (an open-ended run such as `serve --http` or `--forever`). ``unbounded``: the
+    bar's format when there is no total (a server idles between requests, so a rate over wall time
+    would mislead: the count alone)."""
     if not enabled:
         return NoProgress()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    fmt = unbounded if total is None else None
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, bar_format=fmt)
+
+
+class loading_line:
+    """One line of its own while a model loads: `kvscope: loading MODEL … 12 s` (kept up to date on a
+    terminal), then `loaded in 24.1 s`; transformers' own bars are turned off meanwhile."""
+
+    def __init__(self, model: str, stream=None) -> None:
+        self.model = model
+        self.stream = stream or sys.stderr
+        self._done = None
+        self._thread = None
+
+    def __enter__(self):
+        import threading
+        import time
+
+        self.t0 = time.monotonic()
+        if "/" in self.model or os.sep in self.model or self.model not in _BUILTIN_NAMES():
+            try:  # a real checkpoint: transformers' bars would glue themselves to ours
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()
+            except ImportError:
+                pass
+        tty = self.stream.isatty()
+        self.stream.write(f"kvscope: loading {self.model} …" + ("" if tty else "\n"))
+        self.stream.flush()
+        if tty:
+            self._done = threading.Event()
+
+            def tick() -> None:
+                while not self._done.wait(1.0):
+                    self.stream.write(f"\rkvscope: loading {self.model} … {time.monotonic() - self.t0:.0f} s")
+                    self.stream.flush()
+
+            self._thread = threading.Thread(target=tick, name="kvscope-loading", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        import time
+
+        if self._done is not None:
+            self._done.set()
+            self._thread.join(2.0)
+            self.stream.write("\r\x1b[K" if exc_type is None else "\n")
+        if exc_type is None:
+            self.stream.write(f"kvscope: loaded {self.model} in {time.monotonic() - self.t0:.1f} s\n")
+        self.stream.flush()
+
+
+def _BUILTIN_NAMES() -> frozenset[str]:
+    from kvscope.engine.shapes import BUILTIN_SHAPES
+
+    return frozenset(BUILTIN_SHAPES)

@@ -11,9 +11,10 @@ from kvscope.cli.common import add_palette
 class Replay(Command):
     name = "replay"
     help = "replay a recorded .kvtrace file"
+    description = "Replay a recorded .kvtrace file through the live dashboard's screens (space pauses, ← → step)."
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file")
+        p.add_argument("file", metavar="TRACE", help="a .kvtrace file")
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:

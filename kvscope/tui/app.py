@@ -70,6 +70,7 @@ class KvscopeApp(App):
         self._last_draw = 0.0
         self._startup_log = os.environ.get(STARTUP_LOG_ENV) or None
         self._stepped = False
+        self._fatal = False  # a LiveFeed's engine died: the app is exiting
 
     def _log_startup(self, what: str) -> None:
         """How long start-up took, measured from outside (README: start-up figures)."""
@@ -139,6 +140,8 @@ class KvscopeApp(App):
     # -- the loop -------------------------------------------------------------------
     def pump(self) -> int:
         """Move the player, fold what every feed got, repaint if anything changed. Returns events applied."""
+        if self._fatal:
+            return 0
         if self.player is not None:
             self.player.sync()
         now = time.monotonic()
@@ -148,7 +151,9 @@ class KvscopeApp(App):
             for n in feed.take_notices():
                 self.notify(n.text, severity=n.severity, timeout=n.timeout)  # type: ignore[arg-type]
             if isinstance(feed, LiveFeed) and feed.fatal:
+                self._fatal = True
                 self.exit()  # the engine we started is gone: the caller raises its error
+                return applied  # no redraw: the screens are going away (a query would fail)
             if not self._stepped and isinstance(feed, EventFeed) and feed.state.steps_seen:
                 self._stepped = True
                 self._log_startup("first-step")
