@@ -151,9 +151,12 @@ class KvscopeApp(App):
             for n in feed.take_notices():
                 self.notify(n.text, severity=n.severity, timeout=n.timeout)  # type: ignore[arg-type]
             if isinstance(feed, LiveFeed) and feed.fatal:
+                # the engine we started is gone: the caller raises its error. Exit once the screen is up
+                # (an exit from the app's own on_mount would unmount the screen under its on_mount), and
+                # draw nothing meanwhile: the screens are going away
                 self._fatal = True
-                self.exit()  # the engine we started is gone: the caller raises its error
-                return applied  # no redraw: the screens are going away (a query would fail)
+                self.call_after_refresh(self.exit)
+                return applied
             if not self._stepped and isinstance(feed, EventFeed) and feed.state.steps_seen:
                 self._stepped = True
                 self._log_startup("first-step")
