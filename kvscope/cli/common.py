@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import threading
 from typing import Any, Callable, Iterable, get_args
 
 from kvscope.engine.config import CONFIG_FIELDS, EngineConfig
@@ -256,55 +257,68 @@ def progress_bar(enabled: bool, *, total: int | None, desc: str, unit: str = "re
 
 
 class loading_line:
-    """One line of its own while a model loads: `kvscope: loading MODEL … 12 s` (kept up to date on a
-    terminal), then `loaded in 24.1 s`; transformers' own bars are turned off meanwhile."""
+    """One line of its own while a model loads, on a terminal: `kvscope: loading MODEL … 12 s`, redrawn
+    each second (after ``quiet_s``), then `kvscope: loaded MODEL in 24.1 s`; in a log only the last line.
+    transformers' own bars are turned off meanwhile. A failed load leaves its error the only line."""
 
-    def __init__(self, model: str, stream=None) -> None:
+    def __init__(self, model: str, stream=None, quiet_s: float = 1.0, *, checkpoint: bool = True) -> None:
         self.model = model
+        self.checkpoint = checkpoint  # False: the sim backend, which loads nothing (and must not import torch)
         self.stream = stream or sys.stderr
-        self._done = None
-        self._thread = None
+        self.quiet_s = quiet_s
+        self.shown = False
+        self._lock = threading.Lock()
 
     def __enter__(self):
-        import threading
         import time
 
         self.t0 = time.monotonic()
-        if "/" in self.model or os.sep in self.model or self.model not in _BUILTIN_NAMES():
+        if self.checkpoint and self.model not in _builtin_names():
             try:  # a real checkpoint: transformers' bars would glue themselves to ours
                 from transformers.utils import logging as hf_logging
 
                 hf_logging.disable_progress_bar()
             except ImportError:
                 pass
-        tty = self.stream.isatty()
-        self.stream.write(f"kvscope: loading {self.model} …" + ("" if tty else "\n"))
-        self.stream.flush()
-        if tty:
-            self._done = threading.Event()
+        self._done = threading.Event()
+        if not self.stream.isatty():  # a log or a pipe: the one line comes when loaded (an error stays alone)
+            self._thread = None
+            return self
 
-            def tick() -> None:
-                while not self._done.wait(1.0):
+        def tick() -> None:
+            if self._done.wait(self.quiet_s):
+                return
+            while True:
+                with self._lock:
+                    if self._done.is_set():
+                        return
                     self.stream.write(f"\rkvscope: loading {self.model} … {time.monotonic() - self.t0:.0f} s")
                     self.stream.flush()
+                    self.shown = True
+                if self._done.wait(1.0):
+                    return
 
-            self._thread = threading.Thread(target=tick, name="kvscope-loading", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=tick, name="kvscope-loading", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         import time
 
-        if self._done is not None:
+        with self._lock:
             self._done.set()
+        if self._thread is None:
+            self.shown = True
+        else:
             self._thread.join(2.0)
-            self.stream.write("\r\x1b[K" if exc_type is None else "\n")
-        if exc_type is None:
+            if self.shown:
+                self.stream.write("\r\x1b[K")  # the progress line gives way to the result (or the error)
+        if self.shown and exc_type is None:
             self.stream.write(f"kvscope: loaded {self.model} in {time.monotonic() - self.t0:.1f} s\n")
         self.stream.flush()
 
 
-def _BUILTIN_NAMES() -> frozenset[str]:
+def _builtin_names() -> frozenset[str]:
     from kvscope.engine.shapes import BUILTIN_SHAPES
 
     return frozenset(BUILTIN_SHAPES)

@@ -153,13 +153,13 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.engine.metrics import summary_table
     from kvscope.serve.driver import ServeOptions, Server
 
-    if publisher is not None:
-        print(_watch_hint(publisher, control), file=sys.stderr, flush=True)
-    with loading_line(config.model):
+    with loading_line(config.model, checkpoint=config.backend == "model"):
         engine = LLMEngine(config)
     print(f"kvscope: {engine.describe_model()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
+    if publisher is not None:
+        print(_watch_hint(publisher, control), file=sys.stderr, flush=True)
     front = front(engine) if front else None
     sinks = ([front.sink] if front else []) + ([publisher] if publisher is not None else [])
     if args.record:
