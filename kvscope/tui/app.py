@@ -73,7 +73,7 @@ class KvscopeApp(App):
         self._fatal = False  # a LiveFeed's engine died: the app is exiting
 
     def _log_startup(self, what: str) -> None:
-        """How long start-up took, measured from outside (README: start-up figures)."""
+        """How long start-up took, measured from outside (docs/BENCHMARKS.md: start-up figures)."""
         if self._startup_log:
             with open(self._startup_log, "a", encoding="utf-8") as f:
                 f.write(f"{what} {time.time():.6f}\n")
