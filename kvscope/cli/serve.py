@@ -121,8 +121,9 @@ def _open_sockets(args):
     if args.events:
         from kvscope.protocol.transport import ZmqPublisher
 
+        # bound now, heartbeats once the engine is up (_serve): live means the engine can take work
         publisher = _bind_or_fallback("events", args.events, args.events_default, lambda a: ZmqPublisher(
-            a, allow_remote=args.allow_remote, heartbeat_s=HEARTBEAT_S))
+            a, allow_remote=args.allow_remote))
     if args.control:
         from kvscope.protocol.transport import ControlServer
         from kvscope.workload import PRESETS
@@ -159,6 +160,7 @@ def _serve(args, config, publisher, control, front) -> int:
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
     if publisher is not None:
+        publisher.heartbeat_s = HEARTBEAT_S
         print(_watch_hint(publisher, control), file=sys.stderr, flush=True)
     front = front(engine) if front else None
     sinks = ([front.sink] if front else []) + ([publisher] if publisher is not None else [])
@@ -202,7 +204,7 @@ def _serve(args, config, publisher, control, front) -> int:
                     print(f"kvscope: listening on http://{shown}:{port} (OpenAI API; /metrics, /health)",
                           file=sys.stderr, flush=True)
             progress = progress_bar(not args.no_progress, total=_total_requests(options),
-                                    desc=f"{engine.config.mode}", unbounded="{desc}: {n_fmt} requests done")
+                                    desc=f"{engine.config.mode}", unbounded="{desc}: finished requests {n_fmt}")
             summary = server.run(items=() if http_only else None)
         except KeyboardInterrupt:
             summary = server.summary()
