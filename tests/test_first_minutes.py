@@ -254,3 +254,46 @@ def test_demo_moves_off_a_taken_port_and_says_so(capsys):
     assert capsys.readouterr().err.strip() == f"kvscope demo: {taken} is taken (another engine or demo?); using {moved}"
     free = f"tcp://127.0.0.1:{free_port()}"
     assert free_if_taken(free) == free
+
+
+# ---- the model's loading line --------------------------------------------------------------------------
+class _Terminal:
+    def __init__(self, tty: bool) -> None:
+        self.text, self.tty = "", tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_the_loading_line_in_a_log_is_one_line_when_loaded_and_nothing_on_failure():
+    from kvscope.cli.common import loading_line
+
+    log = _Terminal(tty=False)
+    with loading_line("tiny", log, checkpoint=False):
+        pass
+    assert log.text.startswith("kvscope: loaded tiny in ") and log.text.count("\n") == 1
+    log = _Terminal(tty=False)
+    with pytest.raises(KvscopeError), loading_line("tiny", log, checkpoint=False):
+        raise KvscopeError("the one line")
+    assert log.text == ""  # the error is the only line
+
+
+def test_the_loading_line_on_a_terminal_counts_seconds_in_place_then_gives_way():
+    from kvscope.cli.common import loading_line
+
+    term = _Terminal(tty=True)
+    with loading_line("tiny", term, quiet_s=0.0, checkpoint=False):
+        assert wait_for(lambda: "loading tiny …" in term.text)
+    assert term.text.startswith("\rkvscope: loading tiny … ") and "\n" not in term.text.split("\x1b[K")[0]
+    assert term.text.split("\r\x1b[K")[-1].startswith("kvscope: loaded tiny in ")
+    term = _Terminal(tty=True)
+    with pytest.raises(KvscopeError), loading_line("tiny", term, quiet_s=0.0, checkpoint=False):
+        wait_for(lambda: "loading" in term.text)
+        raise KvscopeError("the one line")
+    assert term.text.endswith("\r\x1b[K")  # erased: the error line starts on a clean line
