@@ -266,3 +266,42 @@ async def test_d_opens_the_focused_runs_diagnosis(raced):
         await pilot.press("enter", "d")  # and from that run's own dashboard
         await pilot.pause()
         assert isinstance(app.screen, DiagnosisScreen) and app.screen.feed is app.feeds[1]
+
+
+@pytest.mark.anyio
+async def test_compare_says_what_was_simulated_and_opens_at_the_start(raced):
+    """The seconds between making the app and its first frame (a race computing, Textual starting) are not
+    played past: the columns open at the runs' start, whatever the clock did meanwhile."""
+    clock = FakeClock()
+    app = _app(_paths(raced), clock)
+    clock.t += 30.0  # longer than every run
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.pause()
+        assert app.player.playing and app.player.status().t == app.player.status().start_t
+        assert all(st.finished_count == 0 for st in app.states), "no run is drained at the first frame"
+        setup = app.screen.query_one("#compare-setup").render().plain
+        assert "simulated: qwen3-0.6b on h200 (tp 1" in setup and "KV pool" in setup
+        clock.t += 0.5
+        app.pump()
+        assert app.player.status().t > app.player.status().start_t  # and then it plays
+
+
+def test_race_keep_arrivals_serves_the_workloads_arrival_times(tmp_path):
+    import json
+
+    from kvscope.cli import main
+    from kvscope.traces.reader import TraceReader
+
+    def arrivals(extra):
+        out = tmp_path / f"race{len(extra)}.json"
+        argv = ["race", "--backend", "sim", "--model", "qwen3-0.6b", "--gpu", "h200", "--workload", "chat",
+                "--num-requests", "12", "--modes", "chunked", "--no-tui", "--no-progress", "--json", str(out),
+                "--out", str(tmp_path / f"traces{len(extra)}"), *extra]
+        assert main(argv) == 0
+        trace = json.loads(out.read_text())["traces"][0]
+        return [e.arrival for e in TraceReader(trace) if e.type == "request"]
+
+    at_once, spread = arrivals([]), arrivals(["--keep-arrivals"])
+    assert len(at_once) == len(spread) == 12
+    assert max(at_once) - min(at_once) == 0.0
+    assert max(spread) - min(spread) > 0.5  # chat: Poisson at 8 requests/s

@@ -41,7 +41,14 @@ def test_prompts_are_real_instructions_seeded_and_sized():
     assert texts.prompt(10, index=0) == short  # same (seed, index): same prompt
     assert len({tuple(texts.prompt(10, index=i)) for i in range(12)}) > 3  # the instructions vary
     long = texts.prompt(600, index=5)
-    assert 400 <= len(long) <= 600 and load_texts()["notes_intro"].split()[0] in tok.decode(long)
+    text = tok.decode(long)
+    data = load_texts()
+    assert len(long) <= 600 and text.count(data["notes_intro"]) == 1
+    # its question is about the note it carries, right before the question
+    asked = next(i for i, qs in enumerate(data["note_questions"]) if any(text.endswith(f"{q} <assistant>")
+                                                                          for q in qs))
+    assert " ".join(data["notes"][asked].split()[-5:]) in text
+    assert sum(" ".join(n.split()[:6]) in text for n in data["notes"]) == 1  # one note: a small model keeps to it
     assert len(texts.prompt(600, index=5, max_len=200)) <= 200
 
 
@@ -88,3 +95,37 @@ def test_the_shipped_real_model_trace_shows_real_text_in_request_detail(tmp_path
         svg = fa.read()
         assert svg == fb.read()
     assert "COMPLETION" in svg and "PROMPT" in svg
+
+
+def test_step_events_stream_each_completion_as_it_grows_and_the_reducer_follows():
+    from types import SimpleNamespace
+
+    from kvscope.engine.detokenizer import IncrementalDetokenizer
+    from kvscope.engine.llm_engine import EVENT_TEXT_CHARS, LLMEngine
+    from kvscope.engine.sampling_params import SamplingParams
+
+    tok = WordTokenizer()
+    words = "Paris is the capital of France and its largest city".split()
+    ids = tok.encode(" ".join(words))
+    detok = IncrementalDetokenizer(tok, SamplingParams(max_tokens=20))
+    req = SimpleNamespace(req_id=1, finish_reason=None, event_text_chars=0, detokenizer=detok)
+    state = TuiState()
+    reduce(state, RequestEvent(1, 5, 20, 0, 0.0, prompt_text="Where is Paris?"))
+    seen = []
+    for step, i in enumerate(ids):
+        detok.add([i])
+        grown = LLMEngine._text_grown(None, [req])
+        ev = StepEvent(step=step, t=step * 0.1, dur=0.05, budget=64, sampled=[1], running=[1],
+                       kv=KvCounters(total=8, free=8), text=grown)
+        reduce(state, codec.decode(codec.encode(ev)))
+        seen.append(state.get(1).output_text)
+    assert seen[0] == "Paris" and seen[-1] == " ".join(words), "the text grows step by step, all of it"
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))
+    finish = StepEvent(step=len(ids), t=9.0, dur=0.05, budget=64, kv=KvCounters(total=8, free=8),
+                       finished=[Finish(1, 0.05, 1.0, len(ids), "stop")],
+                       outputs=[OutputText(1, " ".join(words) + " .")])
+    reduce(state, finish)
+    assert state.get(1).output_text.endswith("city .")  # the finished text is the whole, final one
+    req.event_text_chars = EVENT_TEXT_CHARS  # a runaway completion: the events stop carrying it
+    detok.add(tok.encode("more words"))
+    assert LLMEngine._text_grown(None, [req]) == []

@@ -408,3 +408,174 @@ async def test_live_subscriber_error_is_shown():
             assert any("bad address" in str(n.message) for n in app._notifications)
     finally:
         src.close()
+
+
+def _focused_table(app) -> QueueTable:
+    table = app.focused
+    assert isinstance(table, QueueTable)
+    return table
+
+
+@async_test
+async def test_cursor_follows_its_request_not_its_row(events):
+    """Rows above come and go, the request moves between queues, then finishes: the cursor stays on it."""
+    app, rc, _ = replay_app(events)
+    async with app.run_test(size=(100, 40)) as pilot:
+        app.player.seek(200)
+        app.pump()
+        await pilot.pause()
+        await pilot.press("down", "down")
+        table = _focused_table(app)
+        req = table.cursor_req
+        assert req == app.state.running[2] and app.screen.selected == req
+        index_moved = False
+        finished_at = None
+        for _ in range(300):
+            await pilot.press("right")
+            await pilot.pause()
+            table = _focused_table(app)
+            assert table.cursor_req == req, f"step {app.state.step}: the cursor left #{req}"
+            live = app.state.requests.get(req)
+            if live is not None and req in app.state.running and app.state.running.index(req) != 2:
+                index_moved = True
+            if live is None:
+                finished_at = app.state.step
+                break
+        assert index_moved and finished_at is not None
+        assert "done" in text_of(table)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestDetailScreen) and app.screen.req == req
+
+
+@async_test
+async def test_enter_at_the_end_of_a_replay_opens_a_finished_request():
+    app, rc, _ = replay_app(sim_stream(300, seed=3, arrival_p=0.0, bursts=(1,)))  # drains: every queue ends empty
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("shift+end")
+        await pilot.pause()
+        assert app.state.step == rc.last_step and not app.state.running
+        running = app.query_one("#running", QueueTable)
+        assert running.has_focus and running.ids and "finished last" in text_of(running)
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        assert isinstance(app.screen, RequestDetailScreen)
+        assert app.screen.req == running.ids[1] and app.state.get(app.screen.req).state == "finished"
+
+
+@async_test
+async def test_ctrl_c_quits_a_dashboard(events):
+    app, _, _ = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app._exit, "ctrl+c ends the app (no 'press ctrl+q to quit')"
+
+
+@async_test
+async def test_help_scrolls_on_a_short_terminal_and_control_toasts_do_not_pile_up(events):
+    app, _, _ = replay_app(events)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        for i in range(5):  # five `b` presses' replies: one toast, the last
+            app.toast(f"burst: ok (added {i})", timeout=30, key="control")
+        app.toast("something else", timeout=30)
+        await pilot.pause()
+        texts = [str(n.message) for n in app._notifications]
+        assert texts == ["burst: ok (added 4)", "something else"]
+        await pilot.press("question_mark")
+        await pilot.pause()
+        body = app.screen.query_one("#help-body")
+        assert body.has_focus and body.max_scroll_y > 0, "the help is longer than the screen"
+        await pilot.press("end")
+        await pilot.pause()
+        assert body.scroll_y == body.max_scroll_y
+
+
+def test_replay_takes_compares_speed_and_paused(monkeypatch):
+    import kvscope.tui.launch as launch
+    from kvscope.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr(launch, "run_replay", lambda path, **kw: seen.update(kw, path=path))
+    assert main(["replay", "traces/demo-cpu.kvtrace", "--speed", "4", "--paused"]) == 0
+    assert seen["speed"] == 4.0 and seen["paused"] is True
+    app = launch.make_replay_app("traces/demo-cpu.kvtrace", speed=seen["speed"], playing=not seen["paused"])
+    assert app.player.speed == 4.0 and not app.player.playing
+
+
+@async_test
+async def test_p_lands_on_the_victim_even_when_it_was_readmitted_within_the_step(events):
+    app, rc, _ = replay_app(events)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.pause()
+        seen = set()
+        for _ in range(8):
+            await pilot.press("p")
+            await pilot.pause()
+            st = app.state
+            assert st.step in rc.preempt_steps and st.preempted_now
+            victim = st.preempted_now[0][0]
+            table = _focused_table(app)
+            assert app.screen.selected == victim and table.cursor_req == victim, f"step {st.step}"
+            where = "running" if victim in st.running else "preempted" if victim in st.preempted else "waiting"
+            assert table.id == where
+            seen.add(where)
+            toast = [str(n.message) for n in app._notifications if "preempted" in str(n.message)]
+            assert toast and f"#{victim} preempted" in toast[-1]
+            if where == "running":
+                assert "re-admitted in the same step" in toast[-1]
+        assert {"running", "preempted"} <= seen
+
+
+def _with_text(events, req: int):
+    """The events, with real-model text for ``req``: a prompt, and a completion that grows a word a token."""
+    from kvscope.protocol.events import OutputText
+
+    out = []
+    n = 0
+    for e in events:
+        e = decode(encode(e))
+        if e.type == "request" and e.req == req:
+            e.prompt_text = "Question: name every planet of the solar system, one line each."
+        if e.type == "step" and req in e.sampled and not any(f.req == req for f in e.finished):
+            n += 1
+            e.text = [OutputText(req, f"planet{n} " + ("\n" if n % 3 == 0 else ""))]
+        out.append(e)
+    return out, n
+
+
+@async_test
+async def test_request_detail_streams_the_completion_and_shows_all_of_it(events):
+    from kvscope.tui.widgets.request import RequestText
+
+    probe = [e for e in events if e.type == "step"]
+    req = next(r for r in probe[150].running if sum(r in s.sampled for s in probe) > 40)
+    evs, _ = _with_text(events, req)
+    clock = FixedClock()
+    rc = ReplayController(MemoryTrace(evs), playing=False, clock=clock)
+    app = KvscopeApp([ReplayFeed(rc)], Player([rc], playing=False, clock=clock), auto_tick=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        first = next(s.step for s in probe if req in s.sampled)
+        app.player.seek(first + 3)
+        app.pump()
+        await pilot.pause()
+        app.push_screen(RequestDetailScreen(app.feeds[0], req))
+        await pilot.pause()
+        text = app.screen.query_one(RequestText)
+        early = text_of(text)
+        assert "planet1" in early and "generating" in early and "Question: name every planet" in early
+        for _ in range(60):
+            app.player.step_forward()
+            app.pump()
+        await pilot.pause()
+        r = app.state.get(req)
+        later = text_of(text)
+        assert later.count("planet") > early.count("planet") + 20, "the completion grew on screen"
+        last = r.output_text.split()[-1]
+        assert last in later, "nothing cut: the newest words are on screen"
+        scroll = app.screen.query_one("#lifecycle-scroll")
+        assert text.size.height >= len(later.splitlines()) > 12, "the widget grew to every line (no cut at 2)"
+        assert scroll.max_scroll_y > 0, "text and lifecycle are taller than the screen: they scroll"

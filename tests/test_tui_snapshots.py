@@ -46,3 +46,27 @@ def test_replay_80x24(snap_compare, events):
 
 def test_help(snap_compare, events):
     assert snap_compare(dashboard(events), terminal_size=(80, 24), press=["question_mark"])
+
+
+def _with_slo(events, slo: str):
+    """The same stream, its hello carrying an SLO (as `serve --slo` records it; docs/GOODPUT.md)."""
+    from kvscope.analysis.goodput import parse_slo
+    from kvscope.protocol.events import HelloEvent
+
+    return [HelloEvent(ev.version, {**ev.config.as_dict(), **parse_slo(slo).to_wire()}, ev.wall_start)
+            if isinstance(ev, HelloEvent) else ev for ev in events]
+
+
+def test_request_detail_with_slo(snap_compare, events):
+    """Header: goodput beside tok/s and the share meeting each target; the detail of a finished request
+    that missed: which target, by how much."""
+    from kvscope.tui.screens import RequestDetailScreen
+
+    async def open_missed(pilot) -> None:
+        feed = pilot.app.feeds[0]
+        missed = next(r for r in feed.state.finished.values() if r.judgement is not None and not r.judgement.good)
+        await pilot.app.push_screen(RequestDetailScreen(feed, missed.req))
+        await pilot.pause()
+
+    assert snap_compare(dashboard(_with_slo(events, "ttft:1000 tpot:9")), terminal_size=(120, 30),
+                        run_before=open_missed)

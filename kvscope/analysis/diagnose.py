@@ -16,6 +16,7 @@ import msgspec
 from kvscope.analysis import knobs as K
 from kvscope.analysis import verdicts as V
 from kvscope.analysis.figures import RunFigures
+from kvscope.analysis.goodput import GoodputTally, Slo, slo_of_flat
 from kvscope.analysis.knobs import Knob
 from kvscope.analysis.signals import Signals, StepLog, measure
 from kvscope.analysis.verdicts import Evidence
@@ -52,6 +53,9 @@ class Diagnosis(msgspec.Struct, kw_only=True):
     what_if: Any = None  # predict.WhatIf, or None with --no-what-if
     signals: Signals | None = None
     vllm: Any = None  # adapters.vllm_signals.VllmFacts for a watched vLLM: its settings and where each came from
+    # with an SLO (--slo, or the trace's own; docs/GOODPUT.md): what it was, which targets fail and why
+    slo: str = ""
+    slo_findings: list[str] = []
 
 
 class NoSteps(KvscopeError, ValueError):
@@ -102,7 +106,7 @@ def judge(log: StepLog, requests: TraceRequests | None = None, source: str = "<e
 
 
 def diagnose_events(events: Iterable[Any], *, window: int | None = None, what_if: bool = True,
-                    source: str = "<events>", warnings: Iterable[str] = ()) -> Diagnosis:
+                    source: str = "<events>", warnings: Iterable[str] = (), slo: Slo | None = None) -> Diagnosis:
     """Diagnose a sequence of protocol events (a trace's, or a live stream's)."""
     log = StepLog(window)
     tr = TraceRequests()
@@ -118,21 +122,76 @@ def diagnose_events(events: Iterable[Any], *, window: int | None = None, what_if
             if calib is not None and len(calib) < CALIBRATION_STEPS:
                 calib.append(ev)
     d = judge(log, tr, source, warnings)
+    slo = slo if slo else slo_of_flat(log.config)
+    if slo:
+        d.slo = slo.describe()
+        d.trace_figures = tr.figures(slo=slo)
+        d.slo_findings = slo_findings(tr.goodput(slo), d.bottleneck)
     if what_if:
         from kvscope.analysis.predict import predict
 
         d.what_if = predict(tr, {k: v for k, v in log.config.items() if not k.startswith("_")}, d.knobs,
-                            total_steps, calib)
+                            total_steps, calib, slo=slo)
+        if slo:
+            rank_by_goodput(d)
     return d
 
 
-def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True) -> Diagnosis:
+# What lengthens each SLO's figure, in the scheduler's terms (the verdict's "why").
+SLO_CAUSES = {
+    "ttft": "TTFT is queueing in WAITING plus the prompt's prefill",
+    "tpot": "TPOT is the decode steps a request shares with prefill chunks and the other running requests",
+    "e2el": "end-to-end latency is the queueing, the prefill and every decode step",
+}
+
+
+def slo_findings(tally: GoodputTally, bottleneck: str) -> list[str]:
+    """One line per SLO target: the share meeting it, and, for a failing one, why (the bottleneck)."""
+    fig = tally.figures()
+    out = [f"goodput {fig.goodput_tok_per_s:,.1f} of {fig.output_tok_per_s:,.1f} output tok/s: "
+           f"{fig.good_requests} of {fig.requests} finished requests met every target"]
+    for key, share in fig.met.items():
+        target = tally.slo.target_ms(key)
+        if share is None:
+            continue
+        if share >= 1.0:
+            out.append(f"{key} <= {target:g} ms: met by every request")
+        else:
+            out.append(f"{key} <= {target:g} ms FAILS for {(1 - share) * 100:.0f}% of requests; "
+                       f"{SLO_CAUSES[key]}, and the bottleneck is {bottleneck}")
+    return out
+
+
+def rank_by_goodput(d: Diagnosis) -> None:
+    """With an SLO, goodput decides: a knob whose own what-if predicts lower goodput than the baseline is
+    refused (moved to refusals); the rest are ordered by predicted goodput, best first (unpredicted last)."""
+    kept, refused = [], []
+    for k in d.knobs:
+        base = k.baseline.goodput_tok_per_s if k.baseline is not None else None
+        new = k.predicted.goodput_tok_per_s if k.predicted is not None else None
+        if base is not None and new is not None and new < base:
+            refused.append(f"not recommended: {k.flag} {k.from_} -> {k.to} would raise tok/s "
+                           f"{k.baseline.output_tok_per_s:,.1f} -> {k.predicted.output_tok_per_s:,.1f} but its what-if "
+                           f"predicts goodput {base:,.1f} -> {new:,.1f} tok/s under SLO {d.slo}"
+                           if k.predicted.output_tok_per_s > k.baseline.output_tok_per_s else
+                           f"not recommended: {k.flag} {k.from_} -> {k.to}: its what-if predicts goodput "
+                           f"{base:,.1f} -> {new:,.1f} tok/s under SLO {d.slo}")
+        else:
+            kept.append(k)
+    kept.sort(key=lambda k: -(k.predicted.goodput_tok_per_s if k.predicted is not None
+                              and k.predicted.goodput_tok_per_s is not None else float("-inf")))
+    d.knobs = kept
+    d.refusals = refused + d.refusals
+
+
+def diagnose_trace(path: str, *, window: int | None = None, what_if: bool = True,
+                   slo: Slo | None = None) -> Diagnosis:
     """Diagnose a .kvtrace file; a trace cut short is diagnosed up to where its good data ends.
     A recorded vLLM (`kvscope record --vllm`) is adapters.vllm_diagnose.diagnose_vllm_trace's."""
     from kvscope.traces.reader import engine_trace
 
     reader = engine_trace(path, "diagnose_trace")
-    d = diagnose_events(reader, window=window, what_if=what_if, source=path)
+    d = diagnose_events(reader, window=window, what_if=what_if, source=path, slo=slo)
     if reader.warnings:
         d.cannot_judge.insert(0, f"{reader.warnings[0]}: diagnosed the {d.steps} steps before it")
     return d

@@ -29,23 +29,30 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float | None:
     return float(np.partition(arr, rank - 1)[rank - 1])
 
 
-class RunFigures(msgspec.Struct, kw_only=True):
+class RunFigures(msgspec.Struct, kw_only=True, omit_defaults=True):  # no SLO: no goodput keys
     output_tok_per_s: float
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     itl_p99_s: float | None
     preemptions: int
+    # with an SLO (docs/GOODPUT.md): good requests' output tokens over the same span, and their share
+    goodput_tok_per_s: float | None = None
+    slo_attainment: float | None = None
 
 
 def run_figures(ttft: Sequence[float], itl: Sequence[float], output_tokens: int, first_arrival: float | None,
-                last_finish: float | None, preemptions: int) -> RunFigures:
+                last_finish: float | None, preemptions: int, goodput=None) -> RunFigures:
+    """``goodput``: a GoodputTally over the same requests (kvscope.analysis.goodput), when an SLO is set."""
     span = (last_finish or 0.0) - (first_arrival or 0.0)
+    good = goodput.figures(span) if goodput is not None and goodput.slo else None
     return RunFigures(
         output_tok_per_s=output_tokens / span if span > 0 else 0.0,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
         itl_p99_s=percentile(itl, 99),
         preemptions=preemptions,
+        goodput_tok_per_s=good.goodput_tok_per_s if good is not None else None,
+        slo_attainment=good.attainment if good is not None else None,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvscope.analysis.figures import RunFigures
+from kvscope.analysis.goodput import NO_SLO, Slo
 from kvscope.analysis.knobs import Knob
 from kvscope.analysis.whatif import ReplayRequest, TraceRequests, run_sim, sim_settings
 
@@ -98,7 +99,8 @@ def _calibrate(tr: TraceRequests, config: dict, steps: list) -> tuple[dict, dict
     return settings, info
 
 
-def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int, calib_steps: list | None) -> WhatIf:
+def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int, calib_steps: list | None,
+            slo: Slo = NO_SLO) -> WhatIf:
     """Run baseline and one replay per knob; fills knob.baseline / knob.predicted in place."""
     from kvscope.engine.errors import KvscopeError
 
@@ -123,7 +125,7 @@ def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int
     reqs: list[ReplayRequest] = tr.replay_requests(0, count)
     cap = int(RUNAWAY_FACTOR * per_req * count) + 1000
     try:
-        base = run_sim(reqs, settings, max_steps=cap)
+        base = run_sim(reqs, settings, max_steps=cap, slo=slo)
     except KvscopeError as e:
         return WhatIf(ran=False, note=f"the sim cannot run this trace's settings: {e}")
     steps, wall = base.steps, base.wall_s
@@ -131,7 +133,7 @@ def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int
     for k in knobs:
         k.baseline = base.figures
         try:
-            run = run_sim(reqs, apply_knob(settings, k), max_steps=cap)
+            run = run_sim(reqs, apply_knob(settings, k), max_steps=cap, slo=slo)
         except (ValueError, KvscopeError):
             continue  # no prediction for this knob (e.g. the model no longer fits)
         k.predicted = run.figures
@@ -148,7 +150,7 @@ def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int
         caution = fit_caution(calibration["mean_abs_rel_err"], calibration["r2"])
     return WhatIf(ran=True, note=f"{what}; replayed {part}", calibrated=calibrated, calibration=calibration,
                   caution=caution,
-                  requests=count, of_requests=n, trace=tr.figures({r.req for r in reqs}), baseline=base.figures,
+                  requests=count, of_requests=n, trace=tr.figures({r.req for r in reqs}, slo), baseline=base.figures,
                   sim_steps=steps, wall_s=wall)
 
 

@@ -7,13 +7,16 @@ from kvscope.analysis.figures import RunFigures, relative_change
 
 FIGURES = (("output_tok_per_s", "out tok/s"), ("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"),
            ("itl_p99_s", "ITL p99"), ("preemptions", "preemptions"))
+GOODPUT_FIGURES = (("goodput_tok_per_s", "goodput"), ("slo_attainment", "SLO met"))
 
 
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"
-    if key == "output_tok_per_s":
+    if key in ("output_tok_per_s", "goodput_tok_per_s"):
         return f"{v:,.1f}"
+    if key == "slo_attainment":
+        return f"{v * 100:.0f}%"
     if key == "preemptions":
         return f"{v:,}"
     return f"{v * 1000:,.1f} ms" if v < 1 else f"{v:,.2f} s"
@@ -26,7 +29,8 @@ def _pct(x: float | None) -> str:
 def figures_table(cols: list[tuple[str, RunFigures | None]], indent: str = "    ", change: bool = False) -> list[str]:
     head = f"{indent}{'':13}" + "".join(f"{name:>14}" for name, _ in cols) + (f"{'change':>9}" if change else "")
     lines = [head]
-    for key, label in FIGURES:
+    judged = any(f is not None and f.goodput_tok_per_s is not None for _, f in cols)
+    for key, label in FIGURES + (GOODPUT_FIGURES if judged else ()):
         vals = [getattr(f, key) if f is not None else None for _, f in cols]
         row = f"{indent}{label:13}" + "".join(f"{_fmt(key, v):>14}" for v in vals)
         if change:
@@ -62,6 +66,9 @@ def format_text(d: Diagnosis) -> str:
 def _body(d: Diagnosis) -> list[str]:
     lines = ["", f"bottleneck: {d.bottleneck}  (score {d.score:g})", "evidence:"]
     lines += [f"  - {e.text}" for e in d.evidence]
+    if d.slo:
+        lines.append(f"SLO {d.slo} (knobs ranked by predicted goodput; one that lowers it is refused):")
+        lines += [f"  - {x}" for x in d.slo_findings]
     if d.secondary:
         lines.append("secondary:")
         lines += [f"  {i}. {r.bottleneck} (score {r.score:g}): {r.evidence}" for i, r in enumerate(d.secondary, 1)]

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import msgspec
 
 from kvscope.analysis.figures import RunFigures, run_figures
+from kvscope.analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo
 from kvscope.protocol.events import RequestEvent, StepEvent
 
 # Engine settings a what-if carries over from a trace's hello config.
@@ -47,15 +48,18 @@ class TraceRequests:
         self.preemptions: dict[int, int] = {}
         self.itl_req: list[int] = []
         self.itl_gap: list[float] = []
+        self.finish_records: dict[int, tuple[RequestRecord, float]] = {}  # for goodput: record, finish time
 
     def add(self, ev: Any) -> None:
         if type(ev) is StepEvent:
             if ev.hits:
                 for h in ev.hits:
                     self.hits.setdefault(h.req, h.tokens)
+            end_t = float(ev.t + ev.dur)
             for f in ev.finished:
                 r = self.requests.get(f.req)
                 self.outputs[f.req] = (f.output_len, f.reason, f.ttft, (r.arrival if r else 0.0) + f.e2e)
+                self.finish_records[f.req] = (RequestRecord.of_finish(f), end_t)
             for p in ev.preemptions:
                 self.preemptions[p.req] = self.preemptions.get(p.req, 0) + 1
             for s in ev.itl:
@@ -64,7 +68,15 @@ class TraceRequests:
         elif type(ev) is RequestEvent:
             self.requests[ev.req] = ev
 
-    def figures(self, ids: set[int] | None = None) -> RunFigures:
+    def goodput(self, slo: Slo, ids: set[int] | None = None) -> GoodputTally:
+        """The finished requests (of ``ids``, default all) judged against ``slo``."""
+        tally = GoodputTally(slo)
+        for k, (rec, end) in self.finish_records.items():
+            if ids is None or k in ids:
+                tally.add(rec, end)
+        return tally
+
+    def figures(self, ids: set[int] | None = None, slo: Slo = NO_SLO) -> RunFigures:
         """The trace's own figures over the finished requests (of ``ids``, default all), as serve reports them."""
         import numpy as np
 
@@ -77,7 +89,7 @@ class TraceRequests:
         pre = sum(v for k, v in self.preemptions.items() if ids is None or k in ids)
         return run_figures([v[2] for _, v in done], gaps, sum(v[0] for _, v in done),
                            min((r.arrival for r in reqs), default=None), max((v[3] for _, v in done), default=None),
-                           pre)
+                           pre, self.goodput(slo, ids) if slo else None)
 
     def replay_requests(self, first: int = 0, count: int | None = None) -> list[ReplayRequest]:
         """The requests sorted by arrival, [first, first + count) of them."""
@@ -147,13 +159,15 @@ class SimRun(msgspec.Struct):
     rejected: int
 
 
-def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | None = None) -> SimRun:
+def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | None = None,
+            slo: Slo = NO_SLO) -> SimRun:
     """Drive a sim engine over the requests (the serve loop's rule: submit once the clock passes the
     arrival, jump idle gaps) until all finish or max_steps; figures of the finished requests."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.errors import RequestRejected
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.sampling_params import SamplingParams
+    from kvscope.engine.telemetry import finish_record
 
     engine = LLMEngine(EngineConfig(**settings))
     vocab = engine.loaded.vocab_size
@@ -165,6 +179,7 @@ def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | 
     last_finish = None
     rejected = 0
     finished = 0
+    goodput = GoodputTally(slo)  # each finished request's finish record, as a trace would hold it
     i = 0
     while max_steps is None or engine.scheduler.step_count < max_steps:
         now = engine.now()
@@ -188,6 +203,7 @@ def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | 
                 if m.ttft is not None:
                     ttft.append(m.ttft)
                 itl.extend(m.itl)
+                goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time)
                 last_finish = req.finish_time if last_finish is None else max(last_finish, req.finish_time)
         elif i < len(reqs):
             engine.clock.sleep_until(reqs[i].arrival)
@@ -195,5 +211,6 @@ def run_sim(requests: Iterable[ReplayRequest], settings: dict, max_steps: int | 
             break
     wall = time.perf_counter() - wall
     first_arrival = reqs[0].arrival if reqs else 0.0
-    figures = run_figures(ttft, itl, out_tokens, first_arrival, last_finish, engine.num_preemptions)
+    figures = run_figures(ttft, itl, out_tokens, first_arrival, last_finish, engine.num_preemptions,
+                          goodput if slo else None)
     return SimRun(figures, engine.scheduler.step_count, wall, engine.num_blocks, finished, rejected)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvscope import workload as wl
+from kvscope.analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields, usd_per_mtok
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, mean
@@ -43,8 +44,10 @@ class Row:
 
     @classmethod
     def from_metrics(cls, name: str, m: MetricsCollector, preemptions: int, kv_waste: float | None,
-                     **extra: Any) -> Row:
+                     goodput: GoodputTally | None = None, **extra: Any) -> Row:
         s = m.summary(preemptions=preemptions, kv_waste=kv_waste or 0.0, steps=0)
+        if goodput is not None:  # over the same span as tok/s (docs/GOODPUT.md)
+            extra = {**row_fields(goodput.figures(s.duration_s)), **extra}
         return cls(name, s.output_tok_per_s, s.ttft_mean_s, s.ttft_p99_s, s.itl_p99_s, preemptions, kv_waste,
                    s.output_tokens, s.duration_s, extra, ttft_p50_s=s.ttft_p50_s, itl_p50_s=s.itl_p50_s)
 
@@ -81,17 +84,28 @@ def warm_up(engine) -> None:
 
 
 def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
-               on_progress: Callable[[int], None] | None = None, before_run: Callable | None = None):
+               on_progress: Callable[[int], None] | None = None, before_run: Callable | None = None,
+               slo: Slo = NO_SLO):
     """Serve items through one fresh engine after a warm-up; make_sink(engine), if given, builds the sink
     attached after the warm-up; before_run(engine), if given, is called then too (the roofline's step
-    recorder); on_progress(n) is called as requests finish. Returns the engine and the server (its metrics)."""
+    recorder); on_progress(n) is called as requests finish. Returns the engine and the server (its metrics;
+    ``server.goodput``: every finished request's finish record, as a trace holds it, judged against slo)."""
+    from kvscope.engine.telemetry import finish_record
+
     engine = LLMEngine(config)
+    engine.hello_extra = slo.to_wire()  # a recorded run carries its SLO (docs/GOODPUT.md)
     warm_up(engine)
     if before_run is not None:
         before_run(engine)
     if make_sink is not None:
         engine.attach(make_sink(engine))
-    server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress)
+    goodput = GoodputTally(slo)
+
+    def finished(req) -> None:
+        goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time)
+
+    server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress, on_finished=finished)
+    server.goodput = goodput
     server.run(items)
     engine.close()
     return engine, server
@@ -100,4 +114,16 @@ def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
 def mode_row(name: str, engine, server, **extra: Any) -> Row:
     """A kvscope row: the server's request metrics and the engine's run totals (also `kvscope race`'s)."""
     return Row.from_metrics(name, server.metrics, engine.num_preemptions, engine.mean_kv_waste,
-                            steps=engine.scheduler.step_count, **extra)
+                            goodput=getattr(server, "goodput", None), steps=engine.scheduler.step_count, **extra)
+
+
+def add_cost(result: dict[str, Any], cost_per_hour: float | None) -> dict[str, Any]:
+    """$ per million output tokens and per million goodput tokens on every row (--cost-per-hour)."""
+    if cost_per_hour is None:
+        return result
+    result["cost_per_hour"] = cost_per_hour
+    for row in result.get("rows", []):
+        row["cost_per_hour"] = cost_per_hour
+        row["usd_per_mtok"] = usd_per_mtok(cost_per_hour, row.get("output_tok_per_s"))
+        row["usd_per_mgood"] = usd_per_mtok(cost_per_hour, row.get("goodput_tok_per_s"))
+    return result

@@ -15,12 +15,14 @@ from __future__ import annotations
 import platform
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from kvscope.bench import events, peers, roofline
 from kvscope.bench.harness import bench_workload, mode_row, model_info, run_config
-from kvscope.bench.report import rows_table
+from kvscope.analysis.goodput import NO_SLO
+from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig, Mode
 from kvscope.engine.errors import KvscopeError
 from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
@@ -37,6 +39,7 @@ class BenchOptions:
     max_prompt_len: int = BENCH_MAX_PROMPT_LEN
     events: bool = False  # also measure the cost of publishing + recording events
     roofline: bool = False  # measure the machine's peaks and give each row its roofline % (bench/roofline.py)
+    slo: Any = None  # kvscope.analysis.goodput.Slo: each kvscope row's goodput (docs/GOODPUT.md)
 
 
 def check_row_names(options: BenchOptions) -> None:
@@ -67,7 +70,7 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
         steps: list = []
-        engine, server = run_config(replace(config, mode=mode), items,
+        engine, server = run_config(replace(config, mode=mode), items, slo=options.slo or NO_SLO,
                                     before_run=(lambda e: steps.append(roofline.StepShapes(e.runner)))
                                     if options.roofline else None)
         if not rows:
@@ -125,6 +128,8 @@ def _measure_machine(engine, config: EngineConfig, log) -> roofline.Roofline:
 
 def print_table(result: dict) -> None:
     print(rows_table(result))
+    for line in ranking_lines(result):
+        print(line)
     if "roofline" in result:
         p = result["roofline"]["peaks"]
         print(f"roofline: GEMM {p['flops_per_s'] / 1e9:,.0f} GFLOP/s ({p['dtype']}, {p['threads']} threads), "

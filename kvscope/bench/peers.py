@@ -84,7 +84,9 @@ def hf_static(config: EngineConfig, items) -> Row:
     return Row.from_samples("hf-static", ttft, itl, tokens, span, kv_waste=1 - used / reserved if reserved else None)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: the manager's worker thread updates tensors made here in place, and
+# transformers 5.17 on CUDA refused that for inference tensors (the H200 check failed so).
+@torch.no_grad()
 def hf_generate_batch(config: EngineConfig, items) -> Row:
     """transformers' continuous batching: the manager behind generate_batch, with per-request max_new_tokens."""
     model, device = _hf_model(config)

@@ -58,8 +58,9 @@ def trace_path(run: RacePlan, out_dir: str) -> str:
 
 
 def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: bool = True,
-             log=print) -> list[dict]:
+             log=print, slo=None) -> list[dict]:
     """Run each plan over ``items``, recording ``out_dir/<label>-<name>.kvtrace``; returns bench rows."""
+    from kvscope.analysis.goodput import NO_SLO
     from kvscope.bench.harness import mode_row, run_config
     from kvscope.bench.sim import sim_row
     from kvscope.traces.writer import TraceWriter
@@ -77,7 +78,8 @@ def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: 
         bar = _bar(len(items), f"[race {k + 1}/{len(runs)}] {run.name}", progress)
         wall = time.perf_counter()
         try:
-            engine, server = run_config(run.config, items, make_sink=record, on_progress=bar.update)
+            engine, server = run_config(run.config, items, make_sink=record, on_progress=bar.update,
+                                        slo=slo or NO_SLO)
         finally:
             bar.close()
             for w in writers:

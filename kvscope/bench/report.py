@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any, Sequence
 
+from kvscope.analysis.goodput import fmt_share, fmt_usd
+
 
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
@@ -44,11 +46,59 @@ def rows_table(result: dict[str, Any]) -> str:
              ms(r["ttft_p99_s"]), ms(r.get("itl_p50_s")), ms(r["itl_p99_s"]),
              str(r["preemptions"]) if r["preemptions"] is not None else "-", pct(r["kv_waste"]))
             for r in result["rows"]]
+    header, rows = goodput_columns(result["rows"], header, rows)
     if any("roofline_pct" in r for r in result["rows"]):  # `kvscope bench --roofline`
         header += ("roofline",)
         rows = [(*row, "-" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.1f}%")
                 for row, r in zip(rows, result["rows"])]
     return heading + "\n" + text_table(header, rows)
+
+
+def goodput_columns(rows_in: Sequence[dict], header: tuple, rows: list) -> tuple[tuple, list]:
+    """With an SLO: goodput tok/s and the share of requests meeting it; with a price: $/Mtok and $/Mgood."""
+    if any(r.get("slo") for r in rows_in):
+        header += ("goodput", "SLO met")
+        rows = [(*row, "-" if r.get("goodput_tok_per_s") is None else f"{r['goodput_tok_per_s']:.1f}",
+                 fmt_share(r.get("slo_attainment"))) for row, r in zip(rows, rows_in)]
+    if any(r.get("usd_per_mtok") is not None for r in rows_in):
+        judged = any(r.get("slo") for r in rows_in)
+        header += ("$/Mtok", "$/Mgood") if judged else ("$/Mtok",)
+        rows = [(*row, fmt_usd(r.get("usd_per_mtok")), *((fmt_usd(r.get("usd_per_mgood")),) if judged else ()))
+                for row, r in zip(rows, rows_in)]
+    return header, rows
+
+
+def ranking_lines(result: dict[str, Any]) -> list[str]:
+    """Lines under a table: the rows ranked by tok/s, by goodput (with an SLO) and by $ per million tokens
+    (with a price): best first. A row with no goodput (a peer) is left out of that ranking."""
+    rows = result.get("rows", [])
+    judged = [r for r in rows if r.get("slo")]
+    priced = [r for r in rows if r.get("usd_per_mtok") is not None]
+    if not judged and not priced:
+        return []
+
+    def names(rs: list[dict]) -> str:
+        return " > ".join(r["name"] for r in rs)
+
+    out = [f"ranked by tok/s:   {names(sorted(rows, key=lambda r: -(r.get('output_tok_per_s') or 0.0)))}"]
+    if judged:
+        out.insert(0, f"SLO {judged[0]['slo']}: a request is good when it meets every target (docs/GOODPUT.md)")
+        out.append(f"ranked by goodput: {names(sorted(judged, key=lambda r: -(r.get('goodput_tok_per_s') or 0.0)))}")
+    if priced:
+        out.append(f"ranked by $/Mtok:  {names(sorted(priced, key=lambda r: r['usd_per_mtok']))} "
+                   f"(at ${priced[0]['cost_per_hour']:g}/hour)")
+        good = [r for r in priced if r.get("usd_per_mgood") is not None]
+        if judged and good:
+            none = [r["name"] for r in priced if r.get("usd_per_mgood") is None and r.get("slo")]
+            out.append(f"ranked by $/Mgood: {names(sorted(good, key=lambda r: r['usd_per_mgood']))}"
+                       + (f" (no good request: {', '.join(none)})" if none else ""))
+        best, worst = min(priced, key=lambda r: r["usd_per_mtok"]), max(priced, key=lambda r: r["usd_per_mtok"])
+        if best is not worst:
+            out.append(f"{best['name']} serves {best['output_tok_per_s'] / worst['output_tok_per_s']:.1f}x the tokens "
+                       f"per hour of {worst['name']} on the same machine, so each token costs "
+                       f"{best['usd_per_mtok'] / worst['usd_per_mtok']:.2f}x as much "
+                       f"({fmt_usd(best['usd_per_mtok'])} vs {fmt_usd(worst['usd_per_mtok'])} per million)")
+    return out
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

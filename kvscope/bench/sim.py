@@ -19,7 +19,8 @@ import msgspec
 from kvscope import workload as wl
 from kvscope.bench.harness import Row, bench_workload, mode_row, model_info, run_config
 from kvscope.bench.preset import load_preset
-from kvscope.bench.report import rows_table
+from kvscope.analysis.goodput import NO_SLO, Slo
+from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.sim import catalog
@@ -42,7 +43,8 @@ def sim_row(name: str, engine, server, wall: float) -> Row:
                     num_blocks=engine.num_blocks, sim_wall_s=wall, sim_steps_per_s=steps / wall if wall else None)
 
 
-def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roofline: bool = False) -> list[dict]:
+def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roofline: bool = False,
+                  slo: Slo = NO_SLO) -> list[dict]:
     """The modes' rows; with roofline, each also gets its roofline % from the sim's own cost model: its
     steps priced at the catalog GPU's peaks at 100% efficiency, over the virtual time they took."""
     from kvscope.bench.roofline import Roofline, StepShapes
@@ -52,7 +54,7 @@ def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roof
         log(f"[bench sim] {mode} ...", file=sys.stderr)
         wall = time.perf_counter()
         steps: list[StepShapes] = []
-        engine, server = run_config(replace(config, mode=mode), items,
+        engine, server = run_config(replace(config, mode=mode), items, slo=slo,
                                     before_run=(lambda e: steps.append(StepShapes(e.runner))) if roofline else None)
         row = sim_row(mode, engine, server, time.perf_counter() - wall)
         if roofline:
@@ -62,11 +64,11 @@ def run_sim_modes(config: EngineConfig, items, modes: list[str], log=print, roof
 
 
 def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None, modes: list[str] | None = None,
-                  max_prompt_len: int | None = None, log=print, roofline: bool = False) -> dict:
+                  max_prompt_len: int | None = None, log=print, roofline: bool = False, slo: Slo = NO_SLO) -> dict:
     modes = modes or list(MODES)
     items = sim_workload(config, spec, num_requests, max_prompt_len)
     wall = time.perf_counter()
-    rows = run_sim_modes(config, items, modes, log, roofline=roofline)
+    rows = run_sim_modes(config, items, modes, log, roofline=roofline, slo=slo)
     wall = time.perf_counter() - wall
     hello = LLMEngine(config).hello().config.as_dict()
     steps = sum(r["steps"] for r in rows)
@@ -87,10 +89,10 @@ def run_sim_bench(config: EngineConfig, spec, *, num_requests: int | None = None
     }
 
 
-def run_lesson(preset: dict, overrides: dict | None = None, log=print) -> dict:
+def run_lesson(preset: dict, overrides: dict | None = None, log=print, slo: Slo = NO_SLO) -> dict:
     config = EngineConfig(**{**preset["engine"], **(overrides or {})})
     spec = wl.parse_spec(preset["workload"])
-    result = run_sim_bench(config, spec, modes=preset.get("modes"), log=log)
+    result = run_sim_bench(config, spec, modes=preset.get("modes"), log=log, slo=slo)
     result["preset"] = "lesson"
     result["reference"] = preset.get("reference")
     result["comparison"] = compare_to_reference(result["rows"], preset.get("reference") or {})
@@ -205,13 +207,13 @@ def print_fragmentation(r: dict) -> None:
 
 
 # ---- presets ---------------------------------------------------------------------------------
-def run_preset(name: str, overrides: dict | None = None, log=print) -> dict:
+def run_preset(name: str, overrides: dict | None = None, log=print, slo: Slo = NO_SLO) -> dict:
     """`kvscope bench --preset NAME`: lesson (the four modes against the lesson's figures) or
     fragmentation (reserved vs paged KV, no engine run). overrides: engine settings given on the command line."""
     preset = load_preset(name)
     if preset.kind == "fragmentation":
         return run_fragmentation(msgspec.to_builtins(preset.data))
-    return run_lesson(msgspec.to_builtins(preset.data), overrides, log)
+    return run_lesson(msgspec.to_builtins(preset.data), overrides, log, slo=slo)
 
 
 def print_result(result: dict) -> None:
@@ -219,5 +221,7 @@ def print_result(result: dict) -> None:
         print_fragmentation(result)
         return
     print(rows_table(result))
+    for line in ranking_lines(result):
+        print(line)
     print_comparison(result)
     print_speed(result)

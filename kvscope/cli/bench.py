@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, check_output_path, comma_list, engine_args, engine_config,
-                                explicit_sim_overrides, workload_args, write_json)
+from kvscope.cli.common import (UsageError, add_slo_args, check_output_path, comma_list, engine_args, engine_config,
+                                explicit_sim_overrides, slo_from_args, workload_args, write_json)
 from kvscope.engine.config import MODES
 
 
@@ -35,6 +35,7 @@ class Bench(Command):
                        help="sim vs published runs of real engines (default bench/anchors.json)")
         p.add_argument("--fit", action="store_true", help="with --anchors: refit the sim's default efficiencies")
         p.add_argument("--json", metavar="FILE", help="write results as JSON")
+        add_slo_args(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.workload import load_spec
@@ -55,24 +56,26 @@ class Bench(Command):
             return _bench_anchors(args)
         if not args.preset:
             load_spec(args.workload)
+        from kvscope.bench.harness import add_cost
         from kvscope.bench.report import write_json as write_result
 
+        slo = slo_from_args(args)
         if args.backend == "sim" or args.preset:
             from kvscope.bench import sim as sim_bench
 
             if args.preset:
-                result = sim_bench.run_preset(args.preset, explicit_sim_overrides(args))
+                result = sim_bench.run_preset(args.preset, explicit_sim_overrides(args), slo=slo)
             else:
                 result = sim_bench.run_sim_bench(engine_config(args), load_spec(args.workload),
                                                  num_requests=args.num_requests, modes=list(args.modes),
-                                                 roofline=args.roofline)
-            sim_bench.print_result(result)
+                                                 roofline=args.roofline, slo=slo)
+            sim_bench.print_result(add_cost(result, args.cost_per_hour))
         else:
             from kvscope.bench.modes import BenchOptions, print_table, run_bench
 
             options = BenchOptions(workload=args.workload, num_requests=args.num_requests, modes=args.modes,
-                                   peers=args.peers, events=args.events_overhead, roofline=args.roofline)
-            result = run_bench(engine_config(args), options)
+                                   peers=args.peers, events=args.events_overhead, roofline=args.roofline, slo=slo)
+            result = add_cost(run_bench(engine_config(args), options), args.cost_per_hour)
             print_table(result)
         if args.json:
             write_result(args.json, result)

@@ -180,6 +180,35 @@ def workload_args(p: argparse.ArgumentParser, default: str) -> None:
                    help="override the workload's request count")
 
 
+# ---- SLOs and cost (docs/GOODPUT.md) ------------------------------------------------------------
+def _slo_item(text: str) -> str:
+    from kvscope.analysis.goodput import SloError, parse_slo
+
+    try:
+        parse_slo(text)
+    except SloError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_slo_args(p: argparse.ArgumentParser, *, cost: bool = True, recorded: bool = False) -> None:
+    """--slo KEY:MS ... (vLLM's --goodput keys ttft, tpot, e2el) and, with cost, --cost-per-hour."""
+    where = " (default: the one the trace recorded, if any)" if recorded else ""
+    p.add_argument("--slo", nargs="+", type=_slo_item, default=None, metavar="KEY:MS",
+                   help="service-level objectives in ms, vLLM's --goodput keys: ttft, tpot, e2el; a request is good "
+                        f"when it meets every one given, e.g. --slo ttft:500 tpot:50{where}")
+    if cost:
+        p.add_argument("--cost-per-hour", type=float_type(positive=True, hi=1e6), default=None, metavar="USD",
+                       help="what the machine costs per hour: adds $ per million output and goodput tokens")
+
+
+def slo_from_args(args: argparse.Namespace):
+    """The Slo the flags ask for (an empty Slo when --slo was not given)."""
+    from kvscope.analysis.goodput import parse_slo
+
+    return parse_slo(getattr(args, "slo", None))
+
+
 # ---- checks made before a run ---------------------------------------------------------------
 def check_output_path(path: str | None, *, inputs: Iterable[str | None] = (), kind: str = "json") -> None:
     """A file we will write at the end of a run: fail now, not after the run. The one rule for every

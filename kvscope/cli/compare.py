@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import UsageError, add_palette, float_type
+from kvscope.cli.common import UsageError, add_palette, add_slo_args, float_type, slo_from_args
 
 
 def add_playback(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,7 @@ class Compare(Command):
         p.add_argument("files", nargs="+", metavar="TRACE", help="two to four .kvtrace files")
         add_playback(p)
         p.add_argument("--paused", action="store_true", help="start paused")
+        add_slo_args(p, recorded=True)
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -35,7 +36,8 @@ class Compare(Command):
         if not 2 <= len(args.files) <= MAX_RUNS:
             raise UsageError(f"compare takes 2 to {MAX_RUNS} traces, got {len(args.files)}")
         app = make_compare_app(args.files, align=args.align, speed=args.speed, playing=not args.paused,
-                               palette=args.palette)
+                               palette=args.palette, slo=slo_from_args(args) or None,
+                               cost_per_hour=args.cost_per_hour)
         for run in (feed.run for feed in app.feeds):
             if run is not None and run.error:
                 print(f"kvscope compare: {run.path}: {run.error} (its column says so)", file=sys.stderr)

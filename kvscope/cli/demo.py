@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import add_palette
+from kvscope.cli.common import add_palette, add_slo_args
 from kvscope.engine.config import SIM_GPUS
 
 
@@ -21,6 +21,7 @@ class Demo(Command):
         p.add_argument("--sim", action="store_true",
                        help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
         p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
+        add_slo_args(p, cost=False)
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -32,5 +33,6 @@ class Demo(Command):
             check_model_name(args.model)  # one line now, not a failed engine child later
 
         run_demo(palette=args.palette, device=args.device, model=args.model,
-                 sim_gpu=args.gpu if args.sim else None)
+                 sim_gpu=args.gpu if args.sim else None,
+                 extra_args=("--slo", *args.slo) if args.slo else ())  # the engine records it; the header shows it
         return 0

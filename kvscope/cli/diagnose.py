@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import UsageError, check_output_path, engine_args, engine_config, int_type, workload_args
+from kvscope.cli.common import (UsageError, add_slo_args, check_output_path, engine_args, engine_config, int_type,
+                                slo_from_args, workload_args)
 from kvscope.cli.diagnose_vllm import add_vllm_args, diagnose_file
 
 MAX_WINDOW = 1 << 40  # steps: more than any trace holds (a larger number overflowed a C size: a cryptic error)
@@ -25,6 +26,7 @@ class Diagnose(Command):
         engine_args(p)
         workload_args(p, "mixed")
         add_vllm_args(p)
+        add_slo_args(p, recorded=True)
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.analysis.diagnose import diagnose_events, to_json
@@ -41,10 +43,14 @@ class Diagnose(Command):
             config = engine_config(args)  # flags left out take the config's defaults
             events = run_config(config, args.workload, args.num_requests, config.seed)
             source = f"sim run of workload {args.workload} ({config.model} on {config.gpu})"
-            d = diagnose_events(events, window=args.window, what_if=what_if, source=source)
+            d = diagnose_events(events, window=args.window, what_if=what_if, source=source,
+                                slo=slo_from_args(args) or None)
         else:
             raise UsageError("give a trace file, or --backend sim with a config to run and diagnose")
-        print(format_text(d), flush=True)
+        text = format_text(d)
+        if args.cost_per_hour is not None:
+            text += "\n" + cost_line(d, args.cost_per_hour)
+        print(text, flush=True)
         if args.json:
             try:
                 with open(args.json, "wb") as f:
@@ -53,6 +59,23 @@ class Diagnose(Command):
                 raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
             print(f"wrote {args.json}", file=sys.stderr)
         return 0
+
+
+def cost_line(d, cost_per_hour: float) -> str:
+    """$ per million output (and goodput) tokens of the trace, and of the best knob's prediction."""
+    from kvscope.analysis.goodput import fmt_usd, usd_per_mtok
+
+    def both(f) -> str:
+        text = f"{fmt_usd(usd_per_mtok(cost_per_hour, f.output_tok_per_s))}/Mtok"
+        if f.goodput_tok_per_s is not None:
+            text += f", {fmt_usd(usd_per_mtok(cost_per_hour, f.goodput_tok_per_s))}/Mgood"
+        return text
+
+    line = f"cost at ${cost_per_hour:g}/hour: this run {both(d.trace_figures)}"
+    best = next((k for k in d.knobs if k.predicted is not None), None)
+    if best is not None:
+        line += f"; with {best.flag} {best.to} (predicted) {both(best.predicted)}"
+    return line
 
 
 def run_config(config, workload: str, num_requests: int | None, seed: int) -> list:

@@ -55,4 +55,6 @@ def diagnose_file(args: argparse.Namespace, what_if: bool):
         from kvscope.adapters.vllm_diagnose import diagnose_vllm_trace
 
         return diagnose_vllm_trace(args.file, flags=vllm_flags(args), window=args.window, what_if=what_if)
-    return diagnose_trace(args.file, window=args.window, what_if=what_if)
+    from kvscope.cli.common import slo_from_args
+
+    return diagnose_trace(args.file, window=args.window, what_if=what_if, slo=slo_from_args(args) or None)

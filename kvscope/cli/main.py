@@ -24,13 +24,14 @@ from kvscope.cli.record import Record
 from kvscope.cli.replay import Replay
 from kvscope.cli.report import Report
 from kvscope.cli.serve import Serve
+from kvscope.cli.tour import Tour
 from kvscope.cli.trace_info import TraceInfo
 from kvscope.cli.tui import Tui
 from kvscope.cli.web import Web
 from kvscope.errors import KvscopeError
 
 # in the order `kvscope --help` lists them
-COMMANDS: tuple[Command, ...] = (Serve(), Bench(), BenchFeatures(), Tui(), Demo(), Replay(), Record(), Calibrate(),
+COMMANDS: tuple[Command, ...] = (Serve(), Bench(), BenchFeatures(), Tui(), Demo(), Tour(), Replay(), Record(), Calibrate(),
                                  Compare(), Race(), Web(), Diagnose(), Export(), TraceInfo(),
                                  Report(), Fetch())
 

@@ -7,8 +7,8 @@ import os
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, add_palette, check_output_path, engine_args, engine_config,
-                                explicit_sim_overrides, workload_args, write_json)
+from kvscope.cli.common import (UsageError, add_palette, add_slo_args, check_output_path, engine_args,
+                                engine_config, explicit_sim_overrides, slo_from_args, workload_args, write_json)
 from kvscope.cli.compare import add_playback
 
 
@@ -20,6 +20,9 @@ class Race(Command):
         engine_args(p)
         workload_args(p, "mixed")
         p.add_argument("--preset", metavar="NAME", help="a sim bench preset, e.g. lesson (kvscope/bench/presets/)")
+        p.add_argument("--keep-arrivals", action="store_true",
+                       help="sim: serve the requests at the workload's own arrival times (default: all at t=0, as "
+                            "bench does; a queue that only drains shows no continuous batching)")
         p.add_argument("--modes", default=None, help="comma list (default: naive,static,continuous,chunked, "
                                                       "or the preset's)")
         p.add_argument("--policies", default=None, help="comma list of policies to race (default: --policy)")
@@ -28,6 +31,7 @@ class Race(Command):
         p.add_argument("--no-tui", action="store_true", help="print the table (and --json) instead of opening compare")
         p.add_argument("--json", metavar="FILE", help="write the rows as JSON (bench's shape)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_slo_args(p)
         add_playback(p)
         add_palette(p)
 
@@ -48,8 +52,11 @@ class Race(Command):
                                   kind="kvtrace")
         where = "sim backend" if sim else f"{device}, one run after another"
         print(f"kvscope race: {len(runs)} runs of {len(items)} requests ({where})", file=sys.stderr)
-        rows = run_race(runs, items, args.out, sim=sim, progress=not args.no_progress)
-        result = race_result(runs, rows, items, device, sim=sim, workload=workload)
+        from kvscope.bench.harness import add_cost
+
+        slo = slo_from_args(args)
+        rows = run_race(runs, items, args.out, sim=sim, progress=not args.no_progress, slo=slo)
+        result = add_cost(race_result(runs, rows, items, device, sim=sim, workload=workload), args.cost_per_hour)
         if args.json:
             write_json(args.json, result)
         if args.no_tui:
@@ -60,7 +67,7 @@ class Race(Command):
         note = ("sim runs: virtual clocks, replayed together" if sim else
                 "runs took turns on this machine (never at once, so each had the cores to itself); replayed in sync")
         app = make_compare_app(result["traces"], align=args.align, speed=args.speed, palette=args.palette,
-                               notes=[note])
+                               notes=[note], slo=slo, cost_per_hour=args.cost_per_hour)
         app.run()
         return 0
 
@@ -78,12 +85,12 @@ def _race_inputs(args):
             raise UsageError(f"preset {args.preset!r} has no engine and workload to race (try lesson)")
         config = EngineConfig(**{**preset.data.engine, **explicit_sim_overrides(args)})
         spec = wl.parse_spec(preset.data.workload)
-        items = sim_workload(config, spec, None, None)
+        items = sim_workload(config, spec, args.num_requests, None, keep_arrivals=args.keep_arrivals)
         return config, items, _device(config), spec.name, preset.data.modes, config.backend == "sim"
     config = engine_config(args)
     if config.backend == "sim":
         spec = wl.load_spec(args.workload)
-        items = sim_workload(config, spec, args.num_requests, None)
+        items = sim_workload(config, spec, args.num_requests, None, keep_arrivals=args.keep_arrivals)
         return config, items, _device(config), spec.name, None, True
     from kvscope.bench.modes import BenchOptions, bench_items
 

@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, check_address, check_output_path, engine_args, engine_config,
-                                NoProgress, float_type, int_type, loading_line, open_socket, progress_bar, workload_args,
+from kvscope.cli.common import (NoProgress, UsageError, add_slo_args, check_address, check_output_path, engine_args,
+                                engine_config, float_type, int_type, loading_line, open_socket, progress_bar,
+                                slo_from_args, workload_args,
                                 write_json)
 from kvscope.cli.stop_signals import StopSignals
 
@@ -32,6 +33,9 @@ class Serve(Command):
         p.add_argument("--forever", action="store_true", help="keep generating requests until stopped")
         p.add_argument("--burst-every", type=float_type(positive=True), default=None, metavar="S",
                        help="with --forever: a burst every S s")
+        p.add_argument("--step-clock", type=float_type(positive=True), default=None, metavar="S",
+                       help="with --forever: the workload's clock advances S s per engine step (and in real time "
+                            "while idle), so its traffic loads a fast and a slow machine alike (kvscope demo)")
         p.add_argument("--max-waiting", type=int_type(1, 1 << 20), default=DEFAULT_MAX_WAITING, metavar="N",
                        help="refuse new requests while N are waiting; a control burst past it is answered "
                             f"'refused' (default: {DEFAULT_MAX_WAITING})")
@@ -48,6 +52,7 @@ class Serve(Command):
                        help="map: vLLM 0.26 and later; array: older releases (default: map)")
         p.add_argument("--json", metavar="FILE", help="write the summary as JSON")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        add_slo_args(p)
         h = p.add_argument_group("HTTP API (docs/HTTP.md) and Prometheus metrics (docs/METRICS.md)")
         h.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI API, e.g. 127.0.0.1:8000 (synthetic "
                        "traffic then runs only with --forever)")
@@ -154,8 +159,13 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.engine.metrics import summary_table
     from kvscope.serve.driver import ServeOptions, Server
 
+    from kvscope.analysis.goodput import GoodputTally, RequestRecord, row_fields
+    from kvscope.engine.telemetry import finish_record
+
     with loading_line(config.model, checkpoint=config.backend == "model"):
         engine = LLMEngine(config)
+    slo = slo_from_args(args)
+    engine.hello_extra = slo.to_wire()  # in the trace and on /metrics (docs/GOODPUT.md)
     print(f"kvscope: {engine.describe_model()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
@@ -185,12 +195,14 @@ def _serve(args, config, publisher, control, front) -> int:
     # with the HTTP API the engine serves until stopped; synthetic traffic only with --forever
     http_only = front is not None and front.http_address is not None and not args.forever
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=engine.config.seed,
-                           forever=args.forever or http_only, burst_every_s=args.burst_every,
+                           forever=args.forever or http_only, burst_every_s=args.burst_every, step_clock_s=args.step_clock,
                            max_waiting=args.max_waiting)
     progress = NoProgress()  # made once the front end has said where it listens
     reason = "drained"
+    goodput = GoodputTally(slo)
     server = Server(engine, options, control=control, on_progress=lambda n: progress.update(n),
-                    inbox=front.bridge if front else None)
+                    inbox=front.bridge if front else None,
+                    on_finished=lambda req: goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time))
     # Ctrl-C and SIGTERM end serve alike (the summary prints, the trace gets its index); the loop also
     # checks the flag, so a stop whose KeyboardInterrupt Python swallowed still ends the run
     signals = StopSignals(server.stop)
@@ -220,9 +232,29 @@ def _serve(args, config, publisher, control, front) -> int:
                 if sink is not publisher:  # run() closes the publisher, which it opened
                     sink.close()
     print(summary_table(summary))
+    good = row_fields(goodput.figures(summary.duration_s), args.cost_per_hour)
+    for line in goodput_lines(good, summary.output_tok_per_s):
+        print(line)
     if args.json:
-        write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": summary.to_dict()})
+        write_json(args.json, {"config": engine.hello().config.as_dict(), "summary": {**summary.to_dict(), **good}})
     return 0
+
+
+def goodput_lines(good: dict, tok_per_s: float) -> list[str]:
+    """The summary's goodput and cost lines (row_fields' keys), aligned with summary_table's."""
+    from kvscope.analysis.goodput import fmt_share, fmt_usd
+
+    out = []
+    if good.get("slo"):
+        met = " ".join(f"{k} {fmt_share(v)}" for k, v in good["slo_met"].items())
+        out.append(f"{'goodput tok/s':<21}  {good['goodput_tok_per_s']:.1f} of {tok_per_s:.1f} "
+                   f"(SLO {good['slo']}: {good['good_requests']}/{good['judged_requests']} good; met {met})")
+    if good.get("usd_per_mtok") is not None:
+        line = f"{'$ per Mtok':<21}  {fmt_usd(good['usd_per_mtok'])}"
+        if good.get("slo"):
+            line += f" output, {fmt_usd(good.get('usd_per_mgood'))} goodput"
+        out.append(line + f" (at ${good['cost_per_hour']:g}/hour)")
+    return out
 
 
 def _total_requests(options) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import UsageError, add_palette, check_address, check_url, float_type, open_socket
+from kvscope.cli.common import UsageError, add_palette, add_slo_args, check_address, check_url, float_type, open_socket
 
 MAX_WATCHED = 64
 
@@ -31,6 +31,7 @@ class Tui(Command):
                        help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
         p.add_argument("--interval", type=float_type(positive=True), default=1.0, metavar="S",
                        help="--vllm: seconds between scrapes")
+        add_slo_args(p, cost=False, recorded=True)
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -67,5 +68,8 @@ class Tui(Command):
         check_address(connect, bind=False)
         if control:
             check_address(control, bind=False)
-        open_socket("connect to", connect, lambda: run_live(connect, control, palette=args.palette))
+        from kvscope.cli.common import slo_from_args
+
+        slo = slo_from_args(args) or None
+        open_socket("connect to", connect, lambda: run_live(connect, control, palette=args.palette, slo=slo))
         return 0

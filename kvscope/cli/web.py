@@ -9,7 +9,7 @@ import sys
 from kvscope.cli.command import Command
 from kvscope.cli.common import UsageError, int_type
 
-WEB_COMMANDS = ("tui", "replay", "compare", "race", "demo")
+WEB_COMMANDS = ("tui", "replay", "compare", "race", "demo", "tour")
 
 
 class Web(Command):

@@ -85,6 +85,14 @@ class IncrementalDetokenizer:
         """No more ids: whatever is settled is final (an incomplete last character is dropped)."""
         self.finished = True
 
+    def peek(self, start: int) -> str:
+        """The settled text from character ``start`` on, without moving take()'s place (the step events'
+        own reader): the same characters take() would hand out."""
+        end = len(self.text)
+        if not (self.finished or self.stopped):
+            end -= self.hold
+        return self.text[start:end] if end > start else ""
+
     def take(self) -> str:
         """Text settled since the last call. Until finish(), the last characters that could still
         turn out to be a stop string are held back."""

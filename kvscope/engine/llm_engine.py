@@ -83,6 +83,9 @@ class LLMEngine:
         # swap-out / copy-on-write / swap-in copies, applied before each forward
         self.swapper = self.backend.make_swapper(self.runner, num_cpu_blocks)
         self.sink: EventSink | None = None
+        # hello.config keys the engine does not own but its run carries (the SLO: slo_ttft_ms, ...);
+        # set by the command before a sink is attached (docs/GOODPUT.md)
+        self.hello_extra: dict = {}
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
         self._last_snapshot_t = 0.0
@@ -121,6 +124,7 @@ class LLMEngine:
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
         config = self.backend.hello_config(config)
+        config.update(self.hello_extra)
         # in the order hello.config goes on the wire (docs/PROTOCOL.md)
         ordered = {k: config[k] for k in WIRE_ORDER if k in config}
         return HelloEvent(PROTOCOL_VERSION, ordered, self.wall_start)
@@ -130,6 +134,20 @@ class LLMEngine:
         ids = token_ids[-EVENT_TEXT_TOKENS:] if tail else token_ids[:EVENT_TEXT_TOKENS]
         text = self._text_tokenizer.decode(ids)
         return text[-EVENT_TEXT_CHARS:] if tail else text[:EVENT_TEXT_CHARS]
+
+    def _text_grown(self, sampled_reqs: list[Request]) -> list[OutputText]:
+        """What each unfinished request's completion grew by this step (request detail streams it), up to
+        EVENT_TEXT_CHARS per request; a finished request's whole text goes in ``outputs`` instead."""
+        grown = []
+        for r in sampled_reqs:
+            detok = r.detokenizer
+            if detok is None or r.finish_reason is not None or r.event_text_chars >= EVENT_TEXT_CHARS:
+                continue
+            piece = detok.peek(r.event_text_chars)[:EVENT_TEXT_CHARS - r.event_text_chars]
+            if piece:
+                r.event_text_chars += len(piece)
+                grown.append(OutputText(r.req_id, piece))
+        return grown
 
     def describe_model(self) -> str:
         """One line for start-up: the model, the dtype its weights run in, and their memory."""
@@ -262,10 +280,15 @@ class LLMEngine:
             self._waste_steps += 1
         if self.sink is not None:
             dropped = getattr(self.sink, "take_dropped", lambda: 0)()
-            texts = ([OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
-                     if self._text_tokenizer else None)
-            self.sink.publish(telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
-                                                   dropped, texts))
+            texts = growing = None
+            if self._text_tokenizer:
+                texts = [OutputText(r.req_id, self._text(r.output_token_ids)) for r in finished]
+                growing = self._text_grown(sampled_reqs)
+            event = telemetry.step_event(out, sched, sampled_reqs, finished, deltas, kv, t_start, t_end,
+                                         dropped, texts)
+            if growing is not None:
+                event.text = growing
+            self.sink.publish(event)
             if out.step % self.snapshot_every == 0 or t_end - self._last_snapshot_t >= self.snapshot_interval_s:
                 self.publish_snapshot()
         return finished

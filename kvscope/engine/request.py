@@ -75,6 +75,7 @@ class Request:
     done_generating: bool = False
     # outputs beyond the tokens (engine/outputs.py): text, logprobs, and why it failed
     detokenizer: object | None = None  # an IncrementalDetokenizer when params.detokenize
+    event_text_chars: int = 0  # characters of its completion the step events have carried so far
     logprobs: list | None = None  # a TokenLogprobs per output token, when params.logprobs is set
     error: str | None = None  # finish reason "error": what went wrong
     # KV blocks (kept by engine/block_manager.py): logical block i holds positions i*bs ..; the

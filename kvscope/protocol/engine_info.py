@@ -61,7 +61,22 @@ class VllmInfo(Struct, kw_only=True):
     interval: Float | UnsetType = UNSET  # seconds between scrapes
 
 
-SECTIONS: dict[str, type[Struct]] = {"cpu": CpuInfo, "cuda": CudaInfo, "sim": SimInfo, "vllm": VllmInfo}
+# An SLO target in milliseconds: finite, >= 0, at most about 11.6 days (kvscope.analysis.goodput.MAX_SLO_MS;
+# the writer refuses what this refuses).
+SloMs = Annotated[float, Meta(ge=0.0, le=1e9)]
+
+
+class SloInfo(Struct, kw_only=True):
+    """The run's service-level objectives (`--slo ttft:MS tpot:MS e2el:MS`, vLLM's --goodput keys);
+    added within v1: older streams have none (docs/GOODPUT.md)."""
+
+    ttft_ms: SloMs | UnsetType = UNSET
+    tpot_ms: SloMs | UnsetType = UNSET
+    e2el_ms: SloMs | UnsetType = UNSET
+
+
+SECTIONS: dict[str, type[Struct]] = {"cpu": CpuInfo, "cuda": CudaInfo, "sim": SimInfo, "vllm": VllmInfo,
+                                     "slo": SloInfo}
 
 
 class EngineInfo(Struct, kw_only=True):
@@ -93,6 +108,7 @@ class EngineInfo(Struct, kw_only=True):
     cuda: CudaInfo | None = None
     sim: SimInfo | None = None
     vllm: VllmInfo | None = None
+    slo: SloInfo | None = None
 
     def __post_init__(self) -> None:
         for name in SECTIONS:  # a section that reports nothing is no section (the wire cannot tell them apart)
@@ -142,6 +158,9 @@ WIRE_KEYS: tuple[tuple[str, str | None, str], ...] = (
     ("vllm_kv_events", "vllm", "kv_events"),
     ("vllm_kv_replay", "vllm", "kv_replay"),
     ("vllm_interval", "vllm", "interval"),
+    ("slo_ttft_ms", "slo", "ttft_ms"),
+    ("slo_tpot_ms", "slo", "tpot_ms"),
+    ("slo_e2el_ms", "slo", "e2el_ms"),
 )
 WIRE_ORDER = tuple(k for k, _, _ in WIRE_KEYS)
 _WHERE = {k: (s, f) for k, s, f in WIRE_KEYS}

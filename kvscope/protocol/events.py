@@ -264,6 +264,8 @@ class StepEvent(ProtocolEvent, tag="step"):
     swaps: _list(Swap) = []  # swaps out (with a "swap" preemption) and in
     # completions of the requests finished this step, as text (real tokenizers only; unset otherwise)
     outputs: _list(OutputText) | UnsetType = UNSET
+    # the text each unfinished request's completion grew by this step (real tokenizers only; unset otherwise)
+    text: _list(OutputText) | UnsetType = UNSET
 
 
 class SnapshotEvent(ProtocolEvent, tag="snapshot"):

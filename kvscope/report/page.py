@@ -58,6 +58,18 @@ def _notice(text: str) -> str:
     return f'<div class="notice">{_e(text)}</div>'
 
 
+def _goodput_cells(run: RunSeries, f: dict) -> list[str]:
+    from kvscope.analysis.goodput import fmt_share, fmt_usd
+
+    cells = []
+    if run.goodput.slo:
+        cells = [_e(f["slo"]), _num(f["goodput_tok_per_s"]), _e(fmt_share(f["slo_attainment"])),
+                 _e(", ".join(f"{k} {fmt_share(v)}" for k, v in f["slo_met"].items()))]
+    if run.cost_per_hour:
+        cells += [_e(fmt_usd(f.get("usd_per_mtok"))), _e(fmt_usd(f.get("usd_per_mgood")))]
+    return cells
+
+
 def trace_section(runs: list[RunSeries]) -> str:
     parts = ["<h2>Runs</h2>"]
     rows = []
@@ -69,9 +81,12 @@ def trace_section(runs: list[RunSeries]) -> str:
                      f"{_e(c.get('model', ''))} on {_e(c.get('device', ''))}</span>", _num(f["steps"]), _num(f["requests"]),
                      _num(f["output_tokens"]), _num(f["duration_s"]), _num(f["output_tok_per_s"]),
                      _num(f["ttft_p50_s"]), _num(f["ttft_p99_s"]), _num(f["itl_p50_s"]), _num(f["itl_p99_s"]),
-                     _num(f["preemptions"])])
+                     _num(f["preemptions"])] + _goodput_cells(run, f))
+    judged = any(run.goodput.slo for run in runs)
     parts.append(_table(["run", "steps", "requests", "output tokens", "duration s",
-                         "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s", "preemptions"], rows))
+                         "output tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s", "preemptions"]
+                        + (["SLO", "goodput tok/s", "SLO met (all)", "met per target"] if judged else [])
+                        + (["$/Mtok", "$/Mgood"] if any(r.cost_per_hour for r in runs) else []), rows))
     for run in runs:
         for n in run.notices:
             parts.append(_notice(f"{run.label} {run.path}: {n}"))
@@ -80,6 +95,9 @@ def trace_section(runs: list[RunSeries]) -> str:
         parts.append(_notice("no steps to plot"))
         return "\n".join(parts)
     parts.append(_figure(plots.throughput(live), "output tokens per second, per point of the timeline", "throughput"))
+    if any(r.goodput.slo for r in live):
+        parts.append(_figure(plots.goodput([r for r in live if r.goodput.slo]),
+                             "goodput per point of the timeline (docs/GOODPUT.md)", "goodput"))
     parts.append(_figure(plots.latencies(live), "time to first token of every request; every inter-token gap",
                          "latency"))
     parts.append(_figure(plots.queues(live), "queue lengths; ▼ preemption, ▲ swap", "queues"))
@@ -92,7 +110,8 @@ def trace_section(runs: list[RunSeries]) -> str:
 RESULT_COLUMNS = (("output_tok_per_s", "output tok/s"), ("ttft_mean_s", "TTFT mean s"), ("ttft_p50_s", "TTFT p50 s"),
                   ("ttft_p99_s", "TTFT p99 s"), ("itl_p50_s", "ITL p50 s"), ("itl_p99_s", "ITL p99 s"),
                   ("preemptions", "preemptions"), ("kv_waste", "KV waste"), ("output_tokens", "output tokens"),
-                  ("duration_s", "duration s"))
+                  ("duration_s", "duration s"), ("goodput_tok_per_s", "goodput tok/s"),
+                  ("slo_attainment", "SLO met"), ("usd_per_mtok", "$/Mtok"), ("usd_per_mgood", "$/Mgood"))
 
 
 MAX_ROWS = 256  # rows of one bench or race JSON drawn (a real one has tens); the rest are counted
@@ -142,6 +161,11 @@ def diagnosis_section(inp: Input) -> str:
     if secondary:
         parts.append("<p>Runners-up: " + "; ".join(f"<code>{_e(s.get('bottleneck'))}</code> ({_num(s.get('score'))}): "
                                                    f"{_e(s.get('evidence', ''))}" for s in secondary) + "</p>")
+    if isinstance(d.get("slo"), str) and d.get("slo"):  # diagnosed against an SLO (docs/GOODPUT.md)
+        findings = [f for f in d.get("slo_findings") or [] if isinstance(f, str)][:16]
+        parts.append(f"<p><b>SLO <code>{_e(d['slo'])}</code></b>: knobs ranked by predicted goodput; one its "
+                     "what-if predicts lower goodput for is refused</p>"
+                     + "".join(f"<p class=\"meta\">{_e(f)}</p>" for f in findings))
     knobs = [k for k in d.get("knobs") or [] if isinstance(k, dict)][:MAX_KNOBS]
     baseline = (d.get("what_if") or {}).get("baseline") if isinstance(d.get("what_if"), dict) else None
     if knobs:
@@ -149,8 +173,10 @@ def diagnosis_section(inp: Input) -> str:
         for k in knobs:
             p = k.get("predicted") if isinstance(k.get("predicted"), dict) else {}
             rows.append([f"<code>{_e(k.get('flag'))}</code>", _e(k.get("from")), _e(k.get("to")), _e(k.get("why", "")),
-                         _num(p.get("output_tok_per_s")), _num(p.get("ttft_p99_s")), _num(p.get("itl_p99_s"))])
-        parts.append(_table(["knob", "from", "to", "why", "predicted tok/s", "TTFT p99 s", "ITL p99 s"], rows))
+                         _num(p.get("output_tok_per_s")), _num(p.get("ttft_p99_s")), _num(p.get("itl_p99_s"))]
+                        + ([_num(p.get("goodput_tok_per_s"))] if d.get("slo") else []))
+        parts.append(_table(["knob", "from", "to", "why", "predicted tok/s", "TTFT p99 s", "ITL p99 s"]
+                            + (["predicted goodput tok/s"] if d.get("slo") else []), rows))
         if isinstance(baseline, dict) and any(k.get("predicted") for k in knobs):
             parts.append(_figure(plots.knob_predictions(baseline, knobs), "predicted by re-running the trace's "
                                  "requests in the sim", f"knobs-{_slug(inp.path)}"))
@@ -170,7 +196,8 @@ def _slug(path: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in os.path.basename(path))
 
 
-def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None) -> str:
+def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None, slo=None,
+          cost_per_hour: float | None = None) -> str:
     """The whole page for these inputs."""
     inputs = [classify(p) for p in paths]
     traces = [i.path for i in inputs if i.kind == TRACE]
@@ -184,7 +211,7 @@ def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None) 
     for n, path in enumerate(traces):
         log(f"reading {path}")
         try:
-            runs.append(read_trace(path, LABELS[n]))
+            runs.append(read_trace(path, LABELS[n], slo, cost_per_hour))
         except KvscopeError as e:
             notices.append(f"{LABELS[n]} {path}: not plotted: {str(e).splitlines()[0]}")
         except OSError as e:
@@ -205,10 +232,11 @@ def build(paths: Sequence[str], *, log: Callable[[str], None] = lambda m: None) 
             "\n</body></html>\n")
 
 
-def write_report(paths: Sequence[str], out: str, *, log: Callable[[str], None] = lambda m: None) -> int:
+def write_report(paths: Sequence[str], out: str, *, log: Callable[[str], None] = lambda m: None, slo=None,
+                 cost_per_hour: float | None = None) -> int:
     """Write the page atomically (a temporary file renamed), so a failure leaves no half page."""
     check_output(out, HTML, flag="--html", inputs=paths)  # the one output rule: never an input, nor another kind
-    page = build(paths, log=log)
+    page = build(paths, log=log, slo=slo, cost_per_hour=cost_per_hour)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -74,6 +74,21 @@ def throughput(runs: Sequence[RunSeries]) -> str:
     return to_svg(fig)
 
 
+def goodput(runs: Sequence[RunSeries]) -> str:
+    """Goodput over time (tokens of requests that met every SLO target, at their finish) beside tok/s."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
+    for i, run in enumerate(runs):
+        ax.plot(run.steps.times(), run.steps.rate("good_tokens"), color=colour(i), lw=1.2,
+                label=f"{run.label} {run.name} (SLO {run.goodput.slo.describe()})")
+    ax.set_title("Goodput over time: output tokens of requests that met every SLO target, as they finish")
+    ax.set_xlabel("engine time (s)")
+    ax.set_ylabel("goodput tok/s")
+    ax.set_ylim(bottom=0)
+    _legend(ax)
+    return to_svg(fig)
+
+
 def _cdf_points(sketch) -> tuple[list[float], list[float]]:
     xs, ys, acc = [], [], 0
     for value, count in sketch.buckets():

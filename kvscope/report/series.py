@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from kvscope.analysis.goodput import GoodputTally, RequestRecord, Slo, resolve_slo, row_fields
 from kvscope.protocol.events import DECODE, PREFILL
 from kvscope.quantiles import QuantileSketch
 
@@ -28,7 +29,7 @@ MAX_SECONDS = 1e9
 
 COLUMNS = ("out_tokens", "prefill", "decode", "padding", "budget", "running", "waiting", "preempted",
            "kv_used", "kv_shared", "kv_cached", "kv_free", "kv_total", "waste_slots", "token_slots",
-           "preemptions", "swaps")
+           "preemptions", "swaps", "good_tokens")  # good_tokens: output tokens of good requests finished
 _IX = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -160,6 +161,8 @@ class RunSeries:
     finished: int = 0
     notices: list[str] = field(default_factory=list)
     t_end: float = 0.0
+    goodput: GoodputTally = field(default_factory=GoodputTally)  # finish records against the SLO (docs/GOODPUT.md)
+    cost_per_hour: float | None = None  # --cost-per-hour: $ per million tokens in the runs table
     out_of_range: int = 0  # steps, arrivals and latency samples left out (times beyond MAX_SECONDS)
 
     @property
@@ -177,7 +180,8 @@ class RunSeries:
                 "output_tokens": self.output_tokens, "duration_s": span,
                 "output_tok_per_s": self.output_tokens / span if span > 0 else 0.0,
                 "ttft_p50_s": p(self.ttft, 0.5), "ttft_p99_s": p(self.ttft, 0.99),
-                "itl_p50_s": p(self.itl, 0.5), "itl_p99_s": p(self.itl, 0.99), "preemptions": self.preemptions}
+                "itl_p50_s": p(self.itl, 0.5), "itl_p99_s": p(self.itl, 0.99), "preemptions": self.preemptions,
+                **row_fields(self.goodput.figures(span), self.cost_per_hour)}
 
 
 def fold(run: RunSeries, events: Iterable) -> RunSeries:
@@ -230,7 +234,10 @@ def _step(run: RunSeries, ev) -> None:
         _latency(run, run.ttft, f.ttft)
     for s in ev.itl:
         _latency(run, run.itl, s.gap)
+    good_tokens = 0
     for f in ev.finished:
+        if run.goodput.add(RequestRecord.of_finish(f), t1).good:
+            good_tokens += f.output_len
         run.finished += 1
         line = run.requests.get(f.req)
         if line is not None:
@@ -240,13 +247,13 @@ def _step(run: RunSeries, ev) -> None:
               float(len(ev.running)), float(len(ev.waiting)), float(len(ev.preempted) + len(ev.swapped)),
               float(kv.used), float(kv.shared), float(kv.cached), float(kv.free), float(kv.total),
               float(kv.tail_waste + kv.reserve_waste), float(kv.token_slots),
-              float(len(ev.preemptions)), float(len(ev.swaps))]
+              float(len(ev.preemptions)), float(len(ev.swaps)), float(good_tokens)]
     if all(math.isfinite(v) for v in values):
         run.steps.add(t0, t1, values)
         run.t_end = max(run.t_end, t1)
 
 
-def read_trace(path: str, label: str) -> RunSeries:
+def read_trace(path: str, label: str, slo: Slo | None = None, cost_per_hour: float | None = None) -> RunSeries:
     """A trace's series; damage becomes notices (what was read before it still plots)."""
     from kvscope.protocol.codec import ProtocolError
     from kvscope.traces.reader import TraceReader
@@ -259,7 +266,8 @@ def read_trace(path: str, label: str) -> RunSeries:
     mode = str(as_dict.get("mode") or "")
     policy = str(as_dict.get("policy") or "")
     name = mode + (f" / {policy}" if policy and policy != "fcfs" else "")
-    run = RunSeries(path=path, label=label, name=name or os.path.basename(path), config=as_dict)
+    run = RunSeries(path=path, label=label, name=name or os.path.basename(path), config=as_dict,
+                    goodput=GoodputTally(resolve_slo(slo, config)), cost_per_hour=cost_per_hour)
     try:
         fold(run, reader)
     except ProtocolError as e:

@@ -18,6 +18,7 @@ from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, Summary
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.serve.arrival_clock import ArrivalClock
 from kvscope.serve.options import ServeOptions
 from kvscope.workload.text_prompts import TextPrompts
 
@@ -34,12 +35,14 @@ def reserved_top_ids(vocab: int, eos_token_ids: frozenset[int]) -> int:
 
 class Server:
     def __init__(self, engine: LLMEngine, options: ServeOptions, control=None,
-                 on_progress: Callable[[int], None] | None = None, inbox=None) -> None:
+                 on_progress: Callable[[int], None] | None = None, inbox=None,
+                 on_finished: Callable[[Request], None] | None = None) -> None:
         self.engine = engine
         self.options = options
         self.control = control
         self.inbox = inbox  # kvscope.serve.bridge.EngineBridge: HTTP requests (poll / wait / after_step)
         self.on_progress = on_progress
+        self.on_finished = on_finished  # each finished request, after the metrics took it (bench's goodput)
         self.metrics = MetricsCollector()
         self.paused = False
         self.stopping = False  # the control socket's stop
@@ -56,6 +59,7 @@ class Server:
         self.texts = (TextPrompts(tokenizer, options.seed) if getattr(tokenizer, "has_chat_template", False)
                       else None)
         self._submitted = 0
+        self.arrivals: ArrivalClock | None = None  # the workload's clock, while run() runs
 
     def requests(self) -> Iterator[wl.WorkloadRequest]:
         max_prompt = self.engine.max_model_len - 1
@@ -117,6 +121,8 @@ class Server:
                 req.reply(ok=True, prompt_len=length)
             elif req.cmd in ("pause", "resume"):
                 self.paused = req.cmd == "pause"
+                if self.arrivals is not None:  # the whole world pauses: arrivals too
+                    self.arrivals.set_paused(self.paused, self.engine.now())
                 req.reply(ok=True, paused=self.paused)
             elif req.cmd == "stop":
                 self.stopping = True
@@ -162,8 +168,11 @@ class Server:
         source = iter(items) if items is not None else self.requests()
         upcoming = next(source, None)
         start = self.engine.now()
+        clock = self.engine.clock
+        arrivals = self.arrivals = ArrivalClock(start, self.options.step_clock_s if self.options.forever else None)
         while not (self.stopping or self.stop.is_set()):
             now = self.engine.now()
+            arrivals.tick(now)
             if self.control is not None:
                 self._handle_control(now - start)
             if self.inbox is not None:
@@ -171,11 +180,12 @@ class Server:
             injected, self._injected = self._injected, []
             for item in injected:
                 self._submit(item, start + item.arrival, counted=True)
-            while upcoming is not None and start + upcoming.arrival <= now:
-                self._submit(upcoming, start + upcoming.arrival, as_given=as_given)
+            while upcoming is not None and arrivals.due(upcoming.arrival, now):
+                self._submit(upcoming, arrivals.engine_time(upcoming.arrival, now), as_given=as_given)
                 upcoming = next(source, None)
             if not self.paused and self.engine.has_unfinished():
                 finished = self.engine.step()
+                arrivals.stepped()
                 for req in finished:
                     self._finished(req)
                 if self.inbox is not None:
@@ -183,10 +193,10 @@ class Server:
             elif upcoming is None and not self.options.forever and not self.engine.has_unfinished():
                 break
             else:
-                wait = IDLE_POLL_S if upcoming is None else start + upcoming.arrival - self.engine.now()
-                clock = self.engine.clock
+                # paused: nothing is due until the resume, so poll the control socket at its pace (no busy loop)
+                wait = IDLE_POLL_S if upcoming is None or self.paused else arrivals.wait_s(upcoming.arrival, now)
                 if clock.jumps and upcoming is not None and not self.paused:
-                    clock.sleep_until(start + upcoming.arrival)  # virtual time: jump the idle gap
+                    clock.sleep_until(arrivals.due_time(upcoming.arrival, now))  # virtual time: jump the idle gap
                 else:
                     pause = max(0.0, min(wait, IDLE_POLL_S))
                     if self.inbox is not None and not clock.jumps:
@@ -197,10 +207,13 @@ class Server:
                         self.inbox.wait(pause)  # virtual time: wait for the human or an HTTP client
                     elif clock.jumps:
                         time.sleep(pause)  # paused on virtual time: wait for the human, not the clock
+        self.arrivals = None
         return self.summary()
 
     def _finished(self, req: Request) -> None:
         self.metrics.add(req)
+        if self.on_finished is not None:
+            self.on_finished(req)
         if self.on_progress is not None:
             self.on_progress(1)
 

@@ -23,7 +23,8 @@ from kvscope.protocol.events import (
     SnapshotEvent,
     StepEvent,
 )
-from kvscope.serve.metrics_defs import KvscopeMetrics, VllmMetrics
+from kvscope.analysis.goodput import GoodputTally, RequestRecord, slo_of
+from kvscope.serve.metrics_defs import GoodputMetrics, KvscopeMetrics, VllmMetrics
 
 # vLLM's finished_reason label values (vllm.v1.engine.FINISH_REASON_STRINGS), all pre-created
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
@@ -58,6 +59,8 @@ class PrometheusSink:
         self.registry = CollectorRegistry()
         self.vllm: VllmMetrics | None = None  # made at the first hello (buckets depend on max_model_len)
         self.kvscope: KvscopeMetrics | None = None
+        self.goodput: GoodputMetrics | None = None  # with an SLO in the hello (kvscope serve --slo)
+        self._judge: GoodputTally | None = None
         self._timing: dict[int, _Timing] = {}
         self._hits = self._queries = self._cow = 0  # the engine's cumulative counters, last seen
 
@@ -73,6 +76,11 @@ class PrometheusSink:
                 max_model_len = int(event.config.max_model_len or 1)
                 self.vllm = VllmMetrics(self.registry, self.labels, max_model_len, VLLM_FINISH_REASONS)
                 self.kvscope = KvscopeMetrics(self.registry, self.labels, BLOCK_REASONS)
+                slo = slo_of(event.config)
+                if slo:
+                    self._judge = GoodputTally(slo)
+                    self.goodput = GoodputMetrics(self.registry, self.labels,
+                                                  {k: slo.target_ms(k) / 1000.0 for k in slo.keys})
         elif isinstance(event, SnapshotEvent):
             for rs in event.requests:  # requests that arrived before this sink was attached
                 if rs.req not in self._timing and len(self._timing) < MAX_TRACKED_REQUESTS:
@@ -123,6 +131,16 @@ class PrometheusSink:
 
     def _finished(self, f, tm: _Timing | None, end: float) -> None:
         v = self.vllm
+        if self._judge is not None:  # the one judge the dashboard and bench use
+            j = self._judge.add(RequestRecord.of_finish(f), end)
+            g = self.goodput
+            g.judged.inc()
+            if j.good:
+                g.good.inc()
+                g.good_tokens.inc(f.output_len)
+            for key, value, target in j.checks:
+                if value <= target and not j.ended_badly:
+                    g.met[key].inc()
         v.success[vllm_finish_reason(f.reason)].inc()
         v.e2e.observe(f.e2e)
         v.generation_tokens_request.observe(f.output_len)

@@ -136,3 +136,25 @@ class KvscopeMetrics:
                                 LABELS, registry=reg).labels(*labels)
         self.swap_usage = Gauge("kvscope:swap_pool_usage_perc", "CPU swap pool usage. 1 means 100 percent usage.",
                                 LABELS, registry=reg).labels(*labels)
+
+
+class GoodputMetrics:
+    """Goodput and SLO attainment (docs/GOODPUT.md): made only when the run has an SLO."""
+
+    def __init__(self, reg: CollectorRegistry, labels: tuple[str, str], slo_targets: dict[str, float]) -> None:
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, LABELS + list(extra), registry=reg)
+
+        self.judged = counter("kvscope:slo_judged_requests", "Finished requests judged against the SLO.").labels(
+            *labels)
+        self.good = counter("kvscope:goodput_requests", "Finished requests that met every SLO target (vLLM bench "
+                            "serve's --goodput definition).").labels(*labels)
+        self.good_tokens = counter("kvscope:goodput_tokens", "Output tokens of requests that met every SLO target "
+                                   "(rate() of it is goodput in tok/s).").labels(*labels)
+        met = counter("kvscope:slo_met_requests", "Finished requests meeting one SLO target, by slo (ttft, tpot, "
+                      "e2el).", ["slo"])
+        self.met = {k: met.labels(*labels, k) for k in slo_targets}
+        target = Gauge("kvscope:slo_target_seconds", "The SLO targets the run judges by, in seconds.",
+                       LABELS + ["slo"], registry=reg)
+        for k, v in slo_targets.items():
+            target.labels(*labels, k).set(v)

@@ -20,5 +20,6 @@ class ServeOptions:
     seed: int = 0
     forever: bool = False
     burst_every_s: float | None = None  # forever mode: extra bursts on top of the workload
+    step_clock_s: float | None = None  # forever mode: the workload's clock advances this much per engine step
     verbose_rejects: bool = True
     max_waiting: int | None = None  # None: no bound (a bench runs a finite list it made itself)

@@ -11,6 +11,9 @@ definitions the engine's own MetricsCollector uses:
 - KV waste is the mean over steps with allocated blocks of (tail + reserve waste) /
   allocated slots.
 So a trace recorded by `kvscope race` gives the same row as bench for that run.
+
+Goodput (kvscope.analysis.goodput) folds the same finish records, judged against the
+SLO given (the trace's own unless overridden), over the same span as tok/s.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable
 
+from ..analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields
 from ..protocol.events import RequestEvent, StepEvent
 from ..quantiles import QuantileSketch
 
@@ -26,8 +30,10 @@ class RowTally:
     """Streaming accumulator: ``add`` every event, then ``row()``. Memory: 8 bytes per ITL gap of a
     request still running, fixed for the finished ones."""
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 16, slo: Slo = NO_SLO, cost_per_hour: float | None = None) -> None:
         self.block_size = max(1, int(block_size))  # the trace's, from its hello
+        self.goodput = GoodputTally(slo)
+        self.cost_per_hour = cost_per_hour
         self.arrivals: dict[int, float] = {}
         self.itl_by_req: dict[int, array] = {}
         self.ttft = QuantileSketch()
@@ -64,7 +70,9 @@ class RowTally:
             if gaps is None:
                 gaps = self.itl_by_req[s.req] = array("d")
             gaps.append(s.gap)
+        end_t = float(ev.t + ev.dur)
         for f in ev.finished:
+            self.goodput.add(RequestRecord.of_finish(f), end_t)
             self.finished += 1
             self.output_tokens += f.output_len
             if f.ttft is not None:
@@ -106,9 +114,11 @@ class RowTally:
             "steps": self.steps,
             "finished": self.finished,
             "requests": self.requests,
+            **row_fields(self.goodput.figures(span), self.cost_per_hour),
         }
 
 
-def figures_of(events: Iterable, block_size: int = 16, name: str = "") -> dict[str, Any]:
+def figures_of(events: Iterable, block_size: int = 16, name: str = "", slo: Slo = NO_SLO,
+               cost_per_hour: float | None = None) -> dict[str, Any]:
     """One pass over a run's events (hello first or not) to its bench row."""
-    return RowTally(block_size).add_all(events).row(name)
+    return RowTally(block_size, slo, cost_per_hour).add_all(events).row(name)

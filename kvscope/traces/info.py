@@ -65,8 +65,13 @@ def _engine_lines(s, cfg: dict) -> list[str]:
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:
         shown.append(f"(+{others} more)")
+    from ..analysis.goodput import slo_of_flat
+
+    slo = slo_of_flat(cfg)
     return [
         f"engine:     {' '.join(shown) if shown else '(no config)'}",
+        *([f"SLO:        {slo.describe()} (replay, report and diagnose judge goodput by it; --slo overrides)"]
+          if slo else []),
         f"steps:      {_steps(s)}",
         f"time span:  {s.span:.3f}s ({_fmt_t(s.t_first)} .. {_fmt_t(s.t_last)} engine time)",
         f"requests:   {s.requests} seen, {s.finished} finished, {s.rejects} rejected, "

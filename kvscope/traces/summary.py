@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..analysis.goodput import GoodputTally
 from ..protocol.events import TICK_TYPES, RejectEvent, RequestEvent, SnapshotEvent, StepEvent
 from ..quantiles import STANDARD, QuantileSketch
 
@@ -116,11 +117,13 @@ class LatencyTally:
     ``QuantileSketch``es, so the figures match the dashboard's; fixed memory.
     """
 
-    __slots__ = ("ttft", "itl")
+    __slots__ = ("ttft", "itl", "goodput")
 
-    def __init__(self, ttft: QuantileSketch | None = None, itl: QuantileSketch | None = None) -> None:
+    def __init__(self, ttft: QuantileSketch | None = None, itl: QuantileSketch | None = None,
+                 goodput: GoodputTally | None = None) -> None:
         self.ttft = ttft if ttft is not None else QuantileSketch()
         self.itl = itl if itl is not None else QuantileSketch()
+        self.goodput = goodput if goodput is not None else GoodputTally()  # finish records against an SLO
 
     def add(self, ev) -> None:
         if type(ev) is StepEvent:
@@ -128,6 +131,8 @@ class LatencyTally:
                 self.ttft.add(ft.ttft)
             for s in ev.itl:
                 self.itl.add(s.gap)
+            if ev.finished:
+                self.goodput.add_step(ev)
 
     def figures(self) -> dict[str, dict[str, float | None | int]]:
         """{"ttft": {"n", "p50", "p90", "p99"}, "itl": {...}} in seconds."""

@@ -27,9 +27,9 @@ from kvscope.tui.screens.base import FeedView
 
 MAX_FPS = 30.0
 STARTUP_LOG_ENV = "KVSCOPE_STARTUP_LOG"  # a file: "first-draw T" and "first-step T" (unix times) are appended
-First = Literal["dashboard", "overview", "compare", "vllm"]
+First = Literal["dashboard", "overview", "compare", "vllm", "tour"]
 TITLES = {"dashboard": "kvscope", "overview": "kvscope · engines", "compare": "kvscope compare",
-          "vllm": "kvscope · vLLM"}
+          "vllm": "kvscope · vLLM", "tour": "kvscope tour"}
 
 
 class KvscopeApp(App):
@@ -38,6 +38,7 @@ class KvscopeApp(App):
     ENABLE_COMMAND_PALETTE = True
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # a terminal's habit: no "press ctrl+q"
         Binding("question_mark", "help", "Help"),
         Binding("c", "toggle_palette", "Colours", show=False),
         Binding("r", "reset_stats", "Reset stats", show=False),
@@ -56,6 +57,7 @@ class KvscopeApp(App):
         if first not in TITLES:
             raise ValueError(f"first screen must be one of {', '.join(TITLES)}")
         self.feeds: list[Feed] = list(feeds)
+        self._toasts: dict[str, Any] = {}  # key -> its last toast (Textual's Notification)
         self.player = player
         self.first = first
         self.live = mode == "live"  # a plain event feed shown with the live keys (tests, benches)
@@ -116,6 +118,12 @@ class KvscopeApp(App):
 
             assert self.player is not None, "compare needs a player"
             return CompareScreen([f for f in self.feeds if isinstance(f, ReplayFeed)], self.player, self.notes)
+        if self.first == "tour":
+            from kvscope.tui.feeds.tour import TourFeed
+            from kvscope.tui.screens.tour import TourScreen
+
+            assert isinstance(feed, TourFeed), "the tour needs its feed"
+            return TourScreen(feed, feed.driver)
         if self.first == "vllm" or isinstance(feed, VllmFeed):
             from kvscope.tui.screens.vllm import VllmReplayScreen, VllmScreen
 
@@ -129,6 +137,8 @@ class KvscopeApp(App):
         return DashboardScreen(feed)
 
     def on_mount(self) -> None:
+        if self.player is not None:
+            self.player.start_clock()  # a replay or a compare opens at its start, not seconds into it
         self.pump()
         if self.auto_tick:
             self.set_interval(1.0 / self.fps, self.pump, name="kvscope-tick")
@@ -138,6 +148,20 @@ class KvscopeApp(App):
             feed.close()
 
     # -- the loop -------------------------------------------------------------------
+    def toast(self, text: str, *, severity: str = "information", timeout: float = 3.0, key: str = "") -> None:
+        """notify(); with a key, the toast replaces the last one of that key (pressing b ten times: one toast)."""
+        from textual.notifications import Notification, Notify
+
+        old = self._toasts.pop(key, None) if key else None
+        if old is not None:
+            old.timeout = 0  # expired: gone at once, also if its Notify message is still on its way
+            if old in self._notifications:
+                self._unnotify(old)
+        note = Notification(text, "", severity, timeout)  # type: ignore[arg-type]
+        if key:
+            self._toasts[key] = note
+        self.post_message(Notify(note))
+
     def pump(self) -> int:
         """Move the player, fold what every feed got, repaint if anything changed. Returns events applied."""
         if self._fatal:
@@ -149,7 +173,7 @@ class KvscopeApp(App):
         for feed in self.feeds:
             applied += feed.pump(now)
             for n in feed.take_notices():
-                self.notify(n.text, severity=n.severity, timeout=n.timeout)  # type: ignore[arg-type]
+                self.toast(n.text, severity=n.severity, timeout=n.timeout, key=n.key)
             if isinstance(feed, LiveFeed) and feed.fatal:
                 # the engine we started is gone: the caller raises its error. Exit once the screen is up
                 # (an exit from the app's own on_mount would unmount the screen under its on_mount), and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+from kvscope.analysis.goodput import NO_SLO, GoodputTally, Slo
 from kvscope.protocol.events import SnapshotEvent, StepEvent
 from kvscope.traces.summary import LatencyTally
 
@@ -21,11 +22,12 @@ class LatencySeed:
     """Not a protocol event: the reducer replaces its TTFT/ITL samples with these sketches."""
 
     type = "latency"
-    __slots__ = ("ttft", "itl")
+    __slots__ = ("ttft", "itl", "goodput")
 
     def __init__(self, tally: LatencyTally) -> None:
         self.ttft = tally.ttft
         self.itl = tally.itl
+        self.goodput = tally.goodput  # the finish records so far, judged against the replay's SLO
 
 
 class LatencyCheckpoints:
@@ -34,10 +36,11 @@ class LatencyCheckpoints:
     One thread observes (the step index's, perhaps in the background), another seeds: the
     checkpoints are shared under a lock."""
 
-    def __init__(self) -> None:
-        self._tally = LatencyTally()
+    def __init__(self, slo: Slo = NO_SLO) -> None:
+        self.slo = slo  # what the replay judges goodput by (docs/GOODPUT.md)
+        self._tally = LatencyTally(goodput=GoodputTally(slo))
         self._last_step = 0
-        self._points: dict[int, tuple[tuple, tuple]] = {}  # snapshot step -> packed (ttft, itl)
+        self._points: dict[int, tuple] = {}  # snapshot step -> packed (ttft, itl, goodput)
         self._every = 1
         self._snapshots = 0
         self._lock = threading.Lock()
@@ -51,7 +54,7 @@ class LatencyCheckpoints:
         elif t is SnapshotEvent and ev.step not in self._points:
             self._snapshots += 1
             if self._snapshots % self._every == 0:
-                point = (self._tally.ttft.packed(), self._tally.itl.packed())
+                point = (self._tally.ttft.packed(), self._tally.itl.packed(), self._tally.goodput.copy())
                 with self._lock:
                     self._points[ev.step] = point
                     if len(self._points) > MAX_CHECKPOINTS:
@@ -60,7 +63,7 @@ class LatencyCheckpoints:
 
     def seed(self, trace, events: list) -> LatencySeed:
         """The seed for a restart from ``events`` (``trace.seek``'s answer): steps up to its snapshot."""
-        tally = LatencyTally()
+        tally = LatencyTally(goodput=GoodputTally(self.slo))
         snap = next((ev for ev in events if type(ev) is SnapshotEvent), None)
         if snap is None:
             return LatencySeed(tally)  # restarts from the beginning: nothing before it
@@ -69,9 +72,10 @@ class LatencyCheckpoints:
             base = max(below) if below else None
             packed = self._points[base] if base is not None else None
         if packed is not None:
-            ttft, itl = packed
+            ttft, itl, goodput = packed
             tally.ttft.unpack(ttft)
             tally.itl.unpack(itl)
+            tally.goodput = goodput.copy()
         if base != snap.step:
             for ev in _steps_after(trace, base):
                 if ev.step > snap.step:

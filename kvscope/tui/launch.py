@@ -12,7 +12,7 @@ from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
 
 def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = DEFAULT_CONTROL_ADDR,
-             palette: str = "default", *, starting=None) -> None:
+             palette: str = "default", *, starting=None, slo=None) -> None:
     """Watch a live engine. Survives the engine starting later, exiting and restarting.
 
     ``starting`` (feeds.live.EngineStarting): an engine this view started; the header shows its
@@ -22,7 +22,7 @@ def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = 
     from kvscope.tui.sources import LiveSource
 
     source = LiveSource(events_addr, control_addr)
-    feed = LiveFeed(source, address=events_addr, starting=starting)
+    feed = LiveFeed(source, address=events_addr, starting=starting, slo=slo)
     try:
         KvscopeApp([feed], palette=palette).run()
     finally:
@@ -33,7 +33,7 @@ def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = 
 
 def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,
                     start_step: int | None = None, clock=None, auto_tick: bool = True,
-                    index_in_background: bool = True):
+                    index_in_background: bool = True, slo=None):
     """The app replaying a trace file (also used by the screenshots script): a ReplayFeed and its player,
     or, for a recorded vLLM, the vLLM view on the same player. The steps are indexed in the background
     once the first frame is drawn (tui/step_index.py), so opening a trace costs its start only."""
@@ -52,22 +52,22 @@ def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, 
         return make_vllm_replay_app(path, palette=palette, speed=speed, playing=playing, start_step=start_step,
                                     auto_tick=auto_tick)
     clock = clock or time.monotonic
-    cursor = ReplayController(trace, playing=False, clock=clock, index_in_background=index_in_background)
+    cursor = ReplayController(trace, playing=False, clock=clock, index_in_background=index_in_background, slo=slo)
     player = Player([cursor], speed=speed, playing=playing, clock=clock)
     if start_step is not None:
         player.seek(start_step)
-    return KvscopeApp([ReplayFeed(cursor, name=os.path.basename(path))], player, palette=palette,
+    return KvscopeApp([ReplayFeed(cursor, name=os.path.basename(path), slo=slo)], player, palette=palette,
                       auto_tick=auto_tick)
 
 
 def run_replay(path: str, palette: str = "default", *, speed: float = 1.0, start_step: int | None = None,
-               paused: bool = False) -> None:
+               paused: bool = False, slo=None) -> None:
     """Replay a .kvtrace file through the same screens as live. A file that is not a readable trace
     is a KvscopeError (one line, exit status 2 from the CLI); a damaged one replays up to the damage."""
     from kvscope.protocol.codec import ProtocolError
 
     try:
-        app = make_replay_app(path, palette=palette, speed=speed, playing=not paused, start_step=start_step)
+        app = make_replay_app(path, palette=palette, speed=speed, playing=not paused, start_step=start_step, slo=slo)
     except OSError as e:
         raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
     except ProtocolError as e:

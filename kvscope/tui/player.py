@@ -187,6 +187,11 @@ class Player:
             self._anchor = self._now()
             self.playing = True
 
+    def start_clock(self) -> None:
+        """Playing starts now, from where it was set up: the seconds a screen took to open (or a race took
+        to compute its runs) are not played past unseen."""
+        self._anchor = self._now()
+
     def pause(self) -> None:
         if self.playing:
             self._jump(self.position())

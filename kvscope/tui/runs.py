@@ -14,6 +14,7 @@ from typing import Any, Callable
 import bisect
 from array import array
 
+from kvscope.analysis.goodput import resolve_slo
 from kvscope.protocol.events import RequestEvent, StepEvent
 from kvscope.traces.figures import RowTally
 from kvscope.traces.reader import engine_trace
@@ -82,7 +83,8 @@ def differing_knobs(runs: list[Run]) -> list[str]:
     return out
 
 
-def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
+def load_run(path: str, label: str, *, clock: Callable[[], float], slo=None,
+             cost_per_hour: float | None = None) -> Run:
     """Open a trace; one pass for its figures and arrivals, then a paused controller."""
     from kvscope.protocol.codec import ProtocolError
     from kvscope.tui.sources import ReplayController
@@ -91,7 +93,7 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
     try:
         trace = engine_trace(path, "compare")
         run.config = trace.hello.config.as_dict()
-        acc = RowTally(_int(run.config.get("block_size"), 16))
+        acc = RowTally(_int(run.config.get("block_size"), 16), resolve_slo(slo, trace.hello.config), cost_per_hour)
         prompt_tokens = max_tokens = 0
         first = None
         seen: set[int] = set()
@@ -117,13 +119,32 @@ def load_run(path: str, label: str, *, clock: Callable[[], float]) -> Run:
         run.first_arrival = first
         run.workload = (len(seen), prompt_tokens, max_tokens)
         run.warnings = list(getattr(trace, "warnings", []) or [])
-        run.controller = ReplayController(trace, playing=False, clock=clock)
+        run.controller = ReplayController(trace, playing=False, clock=clock, slo=slo)
         # Forward moves always apply every event, as live did, so the figures "so far" hold;
         # only a move back starts again from a snapshot.
         run.controller.FORWARD_LIMIT = 1 << 62
     except (OSError, ProtocolError, ValueError) as e:
         run.error = _one_line(e)
     return run
+
+
+def setup_line(runs: list[Run]) -> str | None:
+    """What every run ran on, when they share it: the simulated GPU and model (a race's sim runs), or the
+    model and device, with the KV pool. None when the runs differ there (their columns then say)."""
+    good = [r for r in runs if r.ok]
+    if not good:
+        return None
+    keys = ("backend", "model", "device", "gpu", "tp", "kv_cache_dtype", "num_blocks", "block_size")
+    first = {k: good[0].config.get(k) for k in keys}
+    if any({k: r.config.get(k) for k in keys} != first for r in good[1:]):
+        return None
+    pool = (f"KV pool {first['num_blocks']:,} blocks of {first['block_size']} tokens"
+            if isinstance(first["num_blocks"], int) else "")
+    if first["backend"] == "sim":
+        kv = f", KV {first['kv_cache_dtype']}" if first["kv_cache_dtype"] else ""
+        return (f"simulated: {first['model']} on {first['gpu'] or first['device']} "
+                f"(tp {first['tp'] or 1}{kv}), {pool}").rstrip(", ")
+    return f"{first['model']} on {first['device']}, {pool}".rstrip(", ")
 
 
 def workload_notice(runs: list[Run]) -> str | None:

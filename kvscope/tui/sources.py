@@ -316,7 +316,7 @@ class ReplayController:
 
     def __init__(self, trace, *, speed: float = 1.0, playing: bool = True,
                  clock: Callable[[], float] = time.monotonic, max_per_poll: int = 5000,
-                 index_in_background: bool = False) -> None:
+                 index_in_background: bool = False, slo=None) -> None:
         """``index_in_background``: index the steps on a thread started at the second ``poll``
         (once the first frame is drawn), so opening costs the trace's start only; what needs a
         step not yet indexed waits for it. Otherwise the whole trace is indexed here."""
@@ -329,7 +329,7 @@ class ReplayController:
         self.max_per_poll = max_per_poll
         self.connection = CONN_REPLAY
         # The step index: (step, end time, had a preemption) per step; these lists grow with it.
-        self.index = StepIndex(trace)
+        self.index = StepIndex(trace, slo)  # slo: the command line's (--slo), else the trace's own
         self.steps: list[int] = self.index.steps
         self.step_t: list[float] = self.index.step_t
         self.preempt_steps: list[int] = self.index.preempt_steps

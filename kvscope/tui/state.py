@@ -49,6 +49,7 @@ from typing import Any
 
 from msgspec import UNSET
 
+from kvscope.analysis.goodput import RequestRecord
 from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     FINISHED,
@@ -74,6 +75,7 @@ RATE_WINDOW = 32  # steps used for iterations/s and output tok/s
 LOG_LEN = 48  # lifecycle entries kept per request
 FINISHED_KEEP = 128  # finished requests kept for the detail screen
 REJECTS_KEEP = 32
+MAX_OUTPUT_TEXT = 4000  # characters of a live request's completion kept (the engine sends at most as many)
 MAX_LIVE_REQUESTS = 100_000  # guard against a stream that never reports finishes
 MAX_TRACKED_BLOCKS = 1 << 18  # per-block memory past this is refused: the map draws this many
 
@@ -121,7 +123,8 @@ class ReqView:
     end_t: float | None = None
     known: bool = True  # False: seen in a queue before any request/snapshot record
     prompt_text: str = ""  # real-tokenizer models only (RequestEvent.prompt_text)
-    output_text: str = ""  # the completion, once finished (StepEvent.outputs)
+    output_text: str = ""  # the completion as it grows (StepEvent.text), whole once finished (outputs)
+    judgement: Any = None  # against the SLO once finished (kvscope.analysis.goodput.Judgement)
     log: deque = field(default_factory=lambda: deque(maxlen=LOG_LEN))
 
 
@@ -169,6 +172,7 @@ class TuiState:
     rejected_count: int = 0
     rejects: deque = field(default_factory=lambda: deque(maxlen=REJECTS_KEEP))
     preemption_count: int = 0
+    preempted_now: list = field(default_factory=list)  # (req, reason, mode) of this step's preemptions
     swap_out_count: int = 0  # swaps out to the CPU pool seen
     swap_in_count: int = 0
     hit_count: int = 0  # admissions that found a cached prefix
@@ -184,14 +188,20 @@ class TuiState:
     snapshots: int = 0
     restarts: int = 0
     ended: str | None = None  # bye reason
+    # goodput (docs/GOODPUT.md): finish records judged against slo_override (--slo) or the hello's SLO
+    slo_override: Any = None  # kvscope.analysis.goodput.Slo, kept across engine restarts
+    goodput: Any = None  # GoodputTally
 
     def __post_init__(self) -> None:
+        from kvscope.analysis.goodput import GoodputTally, resolve_slo
         from kvscope.tui.histogram import LogHistogram
 
         if self.ttft is None:
             self.ttft = LogHistogram(1e-3, 1e3, 6)
         if self.itl is None:
             self.itl = LogHistogram(1e-4, 1e2, 6)
+        if self.goodput is None:
+            self.goodput = GoodputTally(resolve_slo(self.slo_override, self.config))
         if not self.blocks.owner and self.config is not None and self.config.num_blocks:
             _claim_pool(self, self.config.num_blocks, reset=True)
 
@@ -250,8 +260,18 @@ class TuiState:
 
 
 # ---------------------------------------------------------------------------------
-def new_state(config: EngineInfo | None = None, conn: str = CONN_CONNECTING) -> TuiState:
-    return TuiState(config=config, conn=conn)
+def new_state(config: EngineInfo | None = None, conn: str = CONN_CONNECTING, slo_override: Any = None) -> TuiState:
+    return TuiState(config=config, conn=conn, slo_override=slo_override)
+
+
+def set_slo_override(state: TuiState, slo: Any) -> TuiState:
+    """Judge goodput by ``slo`` (--slo) instead of the SLO the run recorded; before any event is folded."""
+    from kvscope.analysis.goodput import GoodputTally, resolve_slo
+
+    state.slo_override = slo
+    state.goodput = GoodputTally(resolve_slo(slo, state.config))
+    state.version += 1
+    return state
 
 
 def set_connection(state: TuiState, conn: str) -> TuiState:
@@ -298,6 +318,9 @@ def reduce(state: TuiState, event: Any) -> TuiState:
         state.ttft.merge(event.ttft)
         state.itl.clear()
         state.itl.merge(event.itl)
+        goodput = getattr(event, "goodput", None)
+        if goodput is not None and goodput.slo == state.goodput.slo:
+            state.goodput = goodput.copy()
     else:
         return state
     state.version += 1
@@ -322,12 +345,16 @@ def _hello(state: TuiState, ev: HelloEvent) -> TuiState:
         # keep what we have, learn the config.
         state.config = ev.config
         state.wall_start = ev.wall_start
+        if state.goodput.requests == 0:  # the SLO the run recorded, unless --slo overrides it
+            from kvscope.analysis.goodput import resolve_slo
+
+            state.goodput.slo = resolve_slo(state.slo_override, ev.config)
         _claim_pool(state, ev.config.num_blocks or 0)
         if state.steps_seen == 0 and state.snapshots == 0:
             state.synced = True
         state.version += 1
         return state
-    fresh = new_state(ev.config, conn=state.conn)
+    fresh = new_state(ev.config, conn=state.conn, slo_override=state.slo_override)
     fresh.wall_start = ev.wall_start
     fresh.synced = True
     fresh.dropped = state.dropped
@@ -465,6 +492,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         _claim_pool(state, ev.kv.total)
 
     # Preemptions happen at schedule time, before this step's allocations.
+    state.preempted_now = [(pe.req, pe.reason, pe.mode) for pe in ev.preemptions]
     for pe in ev.preemptions:
         state.preemption_count += 1
         r = _placeholder(state, pe.req)
@@ -543,9 +571,15 @@ def _step(state: TuiState, ev: StepEvent) -> None:
                 r = _placeholder(state, req)
             r.state = st
 
+    if ev.text is not UNSET:  # the completions as they grow (request detail streams them)
+        for o in ev.text:
+            r = state.requests.get(o.req)
+            if r is not None and len(r.output_text) < MAX_OUTPUT_TEXT:
+                r.output_text = (r.output_text + o.text)[:MAX_OUTPUT_TEXT]
     texts = {o.req: o.text for o in ev.outputs} if ev.outputs is not UNSET else {}
     for f in ev.finished:
         state.finished_count += 1
+        judgement = state.goodput.add(RequestRecord.of_finish(f), t_end)
         r = state.requests.get(f.req)
         if r is None:
             continue
@@ -554,6 +588,7 @@ def _step(state: TuiState, ev: StepEvent) -> None:
         r.e2e = f.e2e
         r.output_len = f.output_len
         r.finish_reason = f.reason
+        r.judgement = judgement
         r.output_text = texts.get(f.req, r.output_text)
         r.end_t = t_end
         r.log.append(LogEntry(LOG_FINISH, step, t_end, note=f.reason))
@@ -621,6 +656,7 @@ def _snapshot(state: TuiState, ev: SnapshotEvent) -> None:
             state.requests[rs.req] = r
         if old is None or state.stale:
             r.log.append(LogEntry(LOG_RESYNC, ev.step, ev.t, note="snapshot"))
+    state.preempted_now = []
     state.stale = False
     state.stale_reason = ""
     state.synced = True

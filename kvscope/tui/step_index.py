@@ -16,17 +16,18 @@ from __future__ import annotations
 import threading
 
 from kvscope.protocol.events import StepEvent
+from kvscope.analysis.goodput import Slo, resolve_slo
 from kvscope.tui.latency_seed import LatencyCheckpoints
 
 BATCH_STEPS = 512  # steps handed over to the UI thread at once
 
 
 class StepIndex:
-    def __init__(self, trace) -> None:
+    def __init__(self, trace, slo: Slo | None = None) -> None:
         self.steps: list[int] = []
         self.step_t: list[float] = []  # trace time each step ended
         self.preempt_steps: list[int] = []  # steps with a preemption or a swap ('p' jumps to the next)
-        self.latency = LatencyCheckpoints()
+        self.latency = LatencyCheckpoints(resolve_slo(slo, getattr(getattr(trace, "hello", None), "config", None)))
         self.error: str | None = None  # why a background pass stopped early (the index then ends there)
         self.warnings: list[str] = []  # what the background pass's reader found that the trace's had not
         self._trace = trace

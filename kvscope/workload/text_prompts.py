@@ -3,8 +3,10 @@
 A synthetic workload draws prompt lengths as token counts; with a real model the
 engine is then served real instructions instead (texts/instructions.json, data shipped
 in the package), each through the model's chat template. A prompt that the spec wants
-long carries notes to read first, added until it reaches about the drawn length, so
-the workload's shape (short chats, a few long prompts) stays. Every prompt starts with
+longer than a note carries one note to read first and asks a question about that note
+(texts' note_questions), so short chats stay short and longer prompts stay longer, up to
+one note's length: given three or all eight notes (230-500 tokens), SmolLM2-135M (checked
+greedily) often copied the first note instead of answering. Every prompt starts with
 the template's system turn, so prefix caching sees a shared prefix as in real chat traffic.
 Choices are seeded by (seed, request index): the same run gives the same prompts.
 """
@@ -37,22 +39,23 @@ class TextPrompts:
         self.instructions: list[str] = texts["instructions"]
         self.intro: str = texts["notes_intro"]
         self.notes: list[str] = texts["notes"]
+        self.note_questions: list[list[str]] = texts["note_questions"]
         self._note_len = [len(tokenizer.encode(n + "\n\n")) for n in self.notes]
 
     def _ids(self, content: str) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.render_chat([{"role": "user", "content": content}]))
 
     def prompt(self, target_len: int, index: int, max_len: int | None = None) -> list[int]:
-        """Token ids of a real chat prompt of about target_len tokens (at most max_len)."""
+        """Token ids of a real chat prompt of at most about target_len tokens (and at most max_len)."""
         rng = Random(f"kvscope.workload/{self.seed}/text/{index}")
         question = rng.choice(self.instructions)
         ids = self._ids(question)
         limit = min(target_len, max_len) if max_len is not None else target_len
         if limit - len(ids) <= NOTES_MARGIN + min(self._note_len):
             return ids if max_len is None or len(ids) <= max_len else ids[-max_len:]
-        room, parts, i = limit - len(ids) - NOTES_MARGIN, [], rng.randrange(len(self.notes))
-        while room >= self._note_len[i % len(self.notes)]:
-            parts.append(self.notes[i % len(self.notes)])
-            room -= self._note_len[i % len(self.notes)]
-            i += 1
-        return self._ids(f"{self.intro}\n\n" + "\n\n".join(parts) + f"\n\n{question}")
+        asked = rng.randrange(len(self.notes))
+        question = rng.choice(self.note_questions[asked])
+        room = limit - len(self._ids(f"{self.intro}\n\n{question}")) - NOTES_MARGIN - self._note_len[asked]
+        if room < 0:  # not even the note its question is about fits: the plain instruction
+            return ids
+        return self._ids(f"{self.intro}\n\n{self.notes[asked]}\n\n{question}")

@@ -42,6 +42,7 @@ class Notice:
     text: str
     severity: str = "information"  # information, warning, error
     timeout: float = 3.0
+    key: str = ""  # a later notice with the same key replaces this one's toast (control replies: no pile)
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class EngineRow:
     preemptions: int | None
     spark: list[float] = field(default_factory=list)
     health: FeedHealth | None = None
+    goodput_tok_per_s: float | None = None  # with an SLO: the run's goodput (docs/GOODPUT.md)
 
 
 class EngineControls(Protocol):
@@ -120,13 +122,13 @@ class EventFeed:
     loading: str | None = None  # a progress line while an engine this view started loads (LiveFeed)
 
     def __init__(self, source: Any, *, name: str = "", address: str = "",
-                 diagnosis_window: int = DIAGNOSIS_WINDOW) -> None:
+                 diagnosis_window: int = DIAGNOSIS_WINDOW, slo: Any = None) -> None:
         from kvscope.analysis.signals import StepLog
 
         self.source = source
         self.name = name
         self.address = address
-        self.state = new_state(conn=self._connection())
+        self.state = new_state(conn=self._connection(), slo_override=slo)  # slo: --slo, else the run's own
         self.log = StepLog(window=diagnosis_window)  # the `d` panel's sliding window of steps
         self.events_applied = 0
         self.spark = Spark()
@@ -204,6 +206,7 @@ class EventFeed:
             ttft_p99_s=st.ttft.quantile(0.99) if st.ttft.n else None,
             itl_p99_s=st.itl.quantile(0.99) if st.itl.n else None,
             preemptions=st.preemption_count, spark=list(self.spark.points), health=self.health(),
+            goodput_tok_per_s=st.goodput.figures().goodput_tok_per_s if st.goodput.slo else None,
         )
 
     def close(self) -> None:

@@ -110,6 +110,6 @@ class LiveFeed(EventFeed):
             return
         if reply.get("ok"):
             extra = ", ".join(f"{k} {v}" for k, v in reply.items() if k not in ("ok", "config"))
-            self._notices.append(Notice(f"{cmd}: ok{' (' + extra + ')' if extra else ''}", timeout=2))
+            self._notices.append(Notice(f"{cmd}: ok{' (' + extra + ')' if extra else ''}", timeout=1.5, key="control"))
         else:
-            self._notices.append(Notice(f"{cmd}: {reply.get('error', 'failed')}", "warning", 3))
+            self._notices.append(Notice(f"{cmd}: {reply.get('error', 'failed')}", "warning", 3, key="control"))

@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
-from kvscope.tui.runs import differing_knobs, workload_notice
+from kvscope.tui.runs import differing_knobs, setup_line, workload_notice
 from kvscope.tui.screens.base import Command, FeedScreen
 from kvscope.tui.screens.dashboard import ReplayDashboard
 from kvscope.tui.screens.keys import PREEMPT_KEY, REPLAY_KEYS, PlayerKeys
@@ -56,6 +56,8 @@ class CompareScreen(PlayerKeys, FeedScreen):
         self.page_start = 0
 
     def compose(self) -> ComposeResult:
+        setup = setup_line(self.runs)
+        yield Static(f" {setup}" if setup else "", id="compare-setup", classes="" if setup else "hidden")
         notes = list(self.notes)
         notice = workload_notice(self.runs)
         if notice:

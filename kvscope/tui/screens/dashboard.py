@@ -67,9 +67,20 @@ class DashboardScreen(FeedScreen):
             w.show(feed.state, pal, self.selected)
 
     def on_queue_table_highlighted(self, message: QueueTable.Highlighted) -> None:
-        if self._armed and message.req is not None and message.req != self.selected:
+        stale = message.req != message.table.cursor_req  # the cursor moved on before this message came
+        if self._armed and not stale and message.req is not None and message.req != self.selected:
             self.selected = message.req
             self.kvscope.redraw()
+
+    def on_queue_table_moved(self, message: QueueTable.Moved) -> None:
+        """The highlighted request changed queues: the cursor goes with it (unless it was sent elsewhere since)."""
+        if message.req != self.selected:
+            return
+        for table in self.query(QueueTable):
+            if table is not message.table and message.req in table.ids:
+                table.follow(message.req)
+                table.focus()
+                return
 
     def on_queue_table_opened(self, message: QueueTable.Opened) -> None:
         from kvscope.tui.screens.detail import RequestDetailScreen
@@ -128,6 +139,28 @@ class ReplayDashboard(PlayerKeys, DashboardScreen):
     def on_mount(self) -> None:
         self.query_one(ReplayBar).replay = self.player
         super().on_mount()
+
+    def show_preemption(self, step: int) -> None:
+        """`p` landed on a step with a preemption: the victim is selected (its row and blocks light up) and
+        the cursor goes to it, also when it was re-admitted within the same step (then RUNNING holds it)."""
+        st = self.feed.state
+        if st.step != step or not st.preempted_now:
+            super().show_preemption(step)
+            return
+        req, reason, mode = st.preempted_now[0]
+        self.selected = req
+        self.draw(self.kvscope.pal)  # the tables' rows of this step, before the cursor goes to the victim
+        for table in self.query(QueueTable):
+            if req in table.ids:
+                table.follow(req)
+                table.focus()
+                break
+        where = ("re-admitted in the same step (RUNNING)" if req in st.running else
+                 "back in WAITING" if req in st.waiting else "in PREEMPTED")
+        more = f" (+{len(st.preempted_now) - 1} more)" if len(st.preempted_now) > 1 else ""
+        self.kvscope.toast(f"step {step}: #{req} preempted ({reason}, {mode}){more}, {where}", timeout=4,
+                           key="preemption")
+        self.kvscope.redraw()
 
     def commands(self) -> Iterable[Command]:
         yield from super().commands()

@@ -11,6 +11,7 @@ from textual.widgets import Static
 
 HELP = """\
 [b]kvscope[/b]: watch an LLM inference scheduler, one event per iteration.
+  (↑ ↓ / pgup pgdn scroll this help; esc closes it)
 
 [b]Everywhere[/b]
   tab / shift+tab   move between RUNNING, WAITING, PREEMPTED
@@ -18,7 +19,7 @@ HELP = """\
   enter             request detail: lifecycle timeline and block table
   ?                 this help          ctrl+p  command palette
   c                 colour-blind-safe palette on/off
-  r                 reset histograms   q / ctrl+q  quit
+  r                 reset histograms   q / ctrl+c  quit
   d                 diagnosis: the bottleneck now, and the knob to turn
 
 [b]Live[/b]  (kvscope tui / kvscope demo)
@@ -69,6 +70,9 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-body"):
             yield Static(Text.from_markup(HELP), id="help-text")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-body").focus()  # ↑ ↓ pgup pgdn scroll the help, however short the terminal
 
     def action_dismiss(self) -> None:
         self.dismiss(None)

@@ -45,11 +45,20 @@ class PlayerKeys(FeedView):
         moves = {"toggle": p.toggle, "step_forward": p.step_forward, "step_back": p.step_back,
                  "faster": p.faster, "slower": p.slower, "to_start": p.to_start, "to_end": p.to_end}
         if name == "next_preemption":
-            if p.next_preemption() is None:
+            step = p.next_preemption()
+            if step is None:
                 self.kvscope.notify("no preemption after this step", timeout=2)
+            else:
+                self.kvscope.pump()
+                self.show_preemption(step)
+                return
         elif name in moves:
             moves[name]()
         self.kvscope.pump()
+
+    def show_preemption(self, step: int) -> None:
+        """After `p` landed on ``step``: say so (the dashboard also puts the cursor on the victim)."""
+        self.kvscope.toast(f"step {step}: preemption", timeout=3, key="preemption")
 
     def action_jump(self, fraction: float) -> None:
         self.player.jump(fraction)

@@ -39,6 +39,12 @@ def _cell(v, f) -> str:
     return "-" if v is None else f(v)
 
 
+def _tok_cell(r: EngineRow) -> str:
+    """tok/s, and with an SLO the run's goodput beside it (docs/GOODPUT.md)."""
+    text = _cell(r.tok_per_s, fmt.rate)
+    return text if r.goodput_tok_per_s is None else f"{text} (good {fmt.rate(r.goodput_tok_per_s)})"
+
+
 def row_cells(r: EngineRow, pal) -> list:
     dot = {"live": ("●", pal.ok), "replay": ("▶", pal.ok)}.get(r.connection, ("○", pal.bad))
     name = Text(f"{dot[0]} ", style=dot[1])
@@ -47,7 +53,7 @@ def row_cells(r: EngineRow, pal) -> list:
     if h is not None and (h.dropped or h.malformed or h.stale):  # the dashboard's header has the counts
         name.append(" ⚠", style=f"bold {pal.warn}")
     return [name, r.setup, _cell(r.running, str), _cell(r.waiting, str), _cell(r.kv_used, fmt.pct),
-            _cell(r.tok_per_s, fmt.rate), _cell(r.ttft_p99_s, fmt.dur), _cell(r.itl_p99_s, fmt.dur),
+            _tok_cell(r), _cell(r.ttft_p99_s, fmt.dur), _cell(r.itl_p99_s, fmt.dur),
             _cell(r.preemptions, str), Text(sparkline(r.spark[-12:]), style=pal.bar)]
 
 

@@ -74,6 +74,17 @@ class HeaderBar(StateWidget):
         bot.append(f"│ step {max(st.step, 0)} ")
         bot.append(f"│ {fmt.rate(its)} it/s ")
         bot.append(f"│ {fmt.rate(toks)} tok/s ")
+        gp = st.goodput
+        if gp is not None and gp.slo:
+            fig = gp.figures()
+            # run averages over the finished requests (first arrival to last finish), so goodput is read
+            # against the throughput of the same requests, not the windowed rate beside it
+            bot.append("│ goodput ")
+            style = f"bold {pal.ok if fig.attainment in (None, 1.0) else pal.warn}"
+            bot.append(f"{fmt.rate(fig.goodput_tok_per_s)}", style=style)
+            bot.append(f"/{fmt.rate(fig.output_tok_per_s)} tok/s ")
+            for key, share in fig.met.items():
+                bot.append(f"{key} {'-' if share is None else f'{share * 100:.0f}%'} ", style=pal.dim)
         bot.append(f"│ done {st.finished_count} ", style=pal.dim)
         if st.rejected_count:
             bot.append(f"rej {st.rejected_count} ", style=pal.warn)

@@ -8,6 +8,7 @@ from textual.binding import Binding
 from textual.message import Message
 
 from kvscope.protocol.events import (
+    FINISHED,
     BLOCKED_BUDGET,
     BLOCKED_KV,
     BLOCKED_SEQS,
@@ -21,6 +22,7 @@ from kvscope.tui.palette import owner_color
 from kvscope.tui.widgets.base import StateWidget, join_lines
 
 TITLES = {"running": "RUNNING", "waiting": "WAITING", "preempted": "PREEMPTED"}
+RECENT_SHOWN = 32  # finished requests an empty RUNNING lists (newest first), for Enter at a replay's end
 
 
 def blocked_reason(st) -> str:
@@ -47,7 +49,13 @@ def blocked_reason(st) -> str:
 
 
 class QueueTable(StateWidget, can_focus=True):
-    """One queue. Arrow keys move the cursor, Enter opens the request's detail."""
+    """One queue. Arrow keys move the cursor, Enter opens the request's detail.
+
+    The cursor follows a request, not a row: rows above it come and go and it stays on its request.
+    When its request moves to another queue (admitted, preempted) the dashboard moves the focus there
+    (``Moved``); when it finishes, its row stays, marked done, until the cursor moves. An empty RUNNING
+    lists the requests finished last, so Enter opens any of them (at the end of a replay too).
+    """
 
     BINDINGS = [
         Binding("up,k", "cursor(-1)", "Up", show=False),
@@ -65,6 +73,14 @@ class QueueTable(StateWidget, can_focus=True):
             self.table = table
             self.req = req
 
+    class Moved(Message):
+        """The request under the cursor left this queue for another one."""
+
+        def __init__(self, table: "QueueTable", req: int) -> None:
+            super().__init__()
+            self.table = table
+            self.req = req
+
     class Opened(Message):
         def __init__(self, table: "QueueTable", req: int) -> None:
             super().__init__()
@@ -78,6 +94,8 @@ class QueueTable(StateWidget, can_focus=True):
         self.cursor = 0
         self._cursor_req: int | None = None
         self._offset = 0
+        self.recent = False  # the rows are recently finished requests (an empty RUNNING)
+        self.queue_len = 0
 
     # -- data ---------------------------------------------------------------------
     def _queue(self) -> list[int]:
@@ -95,21 +113,39 @@ class QueueTable(StateWidget, can_focus=True):
         self.pal = pal
         self.selected = selected
         ids = list(self._queue())
-        if self._cursor_req is not None and self._cursor_req in ids:
-            self.cursor = ids.index(self._cursor_req)
+        self.queue_len = len(ids)
+        self.recent = not ids and self.kind == "running" and state is not None and bool(state.finished)
+        if self.recent:
+            ids = list(reversed(state.finished))[:RECENT_SHOWN]
+        followed = self._cursor_req
+        gone = state.get(followed) if followed is not None and followed not in ids and state is not None else None
+        if followed is not None and followed in ids:
+            self.cursor = ids.index(followed)
+        elif gone is not None and self.has_focus and gone.state == FINISHED:
+            self.cursor = min(self.cursor, len(ids))
+            ids.insert(self.cursor, followed)  # its row stays, marked done, until the cursor moves
         else:
+            if gone is not None and self.has_focus:
+                self.post_message(self.Moved(self, followed))  # the dashboard moves the focus after it
             self.cursor = min(self.cursor, max(0, len(ids) - 1))
         self.ids = ids
         new_req = ids[self.cursor] if ids else None
         if new_req != self._cursor_req:
             self._cursor_req = new_req
-            if self.has_focus:
+            if self.has_focus and gone is None:
                 self.post_message(self.Highlighted(self, new_req))
         self.refresh()
 
     @property
     def cursor_req(self) -> int | None:
         return self.ids[self.cursor] if self.ids else None
+
+    def follow(self, req: int) -> None:
+        """Put the cursor on ``req`` (the dashboard, when a request moved here from another queue)."""
+        self._cursor_req = req
+        if req in self.ids:
+            self.cursor = self.ids.index(req)
+        self.refresh()
 
     # -- actions ------------------------------------------------------------------
     def action_cursor(self, delta: int) -> None:
@@ -156,13 +192,15 @@ class QueueTable(StateWidget, can_focus=True):
         lines: list[Text] = []
         head = Text(no_wrap=True, overflow="ellipsis")
         head.append(f" {title} ", style="bold reverse" if self.has_focus else "bold")
-        head.append(f" {len(ids)}", style="bold")
+        head.append(f" {self.queue_len}", style="bold")
         if self.kind == "preempted" and st is not None and st.swapped:
             head.append(f"  ({len(st.swapped)} swapped)", style=pal.dim)
         if self.kind == "running" and st is not None:
             cap = st.config.max_num_seqs if st.config is not None else None
             if cap:
                 head.append(f" / {cap} seqs", style=pal.dim)
+            if self.recent:
+                head.append("  · finished last (Enter: detail)", style=pal.dim)
         lines.append(head)
         if self.kind == "waiting":
             reason = blocked_reason(st) if st is not None else ""
@@ -212,7 +250,9 @@ class QueueTable(StateWidget, can_focus=True):
                      style=pal.dim if r.ttft is None else "")
             t.append(f" {r.priority:>1}")
             if wide:
-                if r.state == SWAPPED:
+                if r.state == FINISHED:
+                    t.append(" done", style=pal.dim)
+                elif r.state == SWAPPED:
                     t.append(" swp", style=pal.warn)
                 elif r.preemptions:
                     t.append(f" ↺{r.preemptions:<2}", style=pal.warn)

@@ -94,6 +94,13 @@ class RequestSummary(RequestWidget):
             l3.append(f" · e2e {fmt.latency(r.e2e)}")
         if r.preemptions:
             l3.append(f" · preempted {r.preemptions}×", style=f"bold {pal.warn}")
+        j = r.judgement
+        if j is not None and j.checks:  # against the SLO (docs/GOODPUT.md): met, or missed and by how much
+            if j.good:
+                l3.append(" · SLO met", style=f"bold {pal.ok}")
+            else:
+                why = ", ".join(f"{k} +{fmt.latency(v - t)}" for k, v, t in j.missed) or "ended early"
+                l3.append(f" · SLO missed ({why})", style=f"bold {pal.bad}")
         strip = self._strip(r, st.t, width - 2)
         lines = [t, l2, l3, strip]
         for ln in lines:
@@ -140,11 +147,9 @@ def wrap(text: str, width: int) -> list[str]:
 
 
 class RequestText(RequestWidget):
-    """The end of the prompt and the completion as text; shown only when the events carry text
-    (a model with a real tokenizer), hidden otherwise."""
-
-    PROMPT_LINES = 6
-    COMPLETION_LINES = 14
+    """The prompt (its last 4,000 characters, where the question is) and the completion as text, whole:
+    the completion grows as it is generated, and the detail screen scrolls. Shown only when the events
+    carry text (a model with a real tokenizer), hidden otherwise."""
 
     DEFAULT_CSS = """
     RequestText {
@@ -153,10 +158,18 @@ class RequestText(RequestWidget):
     }
     """
 
+    def __init__(self, req: int, **kw) -> None:
+        super().__init__(req, **kw)
+        self._shape: tuple = ()
+
     def show(self, state, pal, selected) -> None:
         r = state.get(self.req) if state is not None else None
         self.display = r is not None and bool(r.prompt_text or r.output_text)
         super().show(state, pal, selected)
+        shape = (len(r.prompt_text), len(r.output_text), r.state, self.size.width) if r is not None else ()
+        if shape != self._shape:  # height: auto is measured again only on a layout refresh
+            self._shape = shape
+            self.refresh(layout=True)
 
     def render(self) -> Text:
         r = self.state.get(self.req) if self.state is not None else None
@@ -165,18 +178,21 @@ class RequestText(RequestWidget):
         lines = []
         if r is None:
             return join_lines(lines)
-        prompt = wrap(r.prompt_text.strip(), width)
-        more = len(prompt) > self.PROMPT_LINES
-        lines.append(Text(" PROMPT" + (" (its end)" if more else ""), style="bold", no_wrap=True))
-        lines += [Text(" " + ln, style=pal.dim) for ln in prompt[-self.PROMPT_LINES:]]
-        lines.append(Text(" COMPLETION", style="bold", no_wrap=True))
+        lines.append(Text(" PROMPT", style="bold", no_wrap=True))
+        lines += [Text(" " + ln, style=pal.dim) for ln in wrap(r.prompt_text.strip(), width)]
+        done = r.state == FINISHED
+        head = Text(" COMPLETION", style="bold", no_wrap=True)
+        if not done:
+            head.append(f"  generating … {r.output_len}/{r.max_tokens} tokens", style=pal.dim)
+        lines.append(head)
         if r.output_text:
-            done = wrap(r.output_text.strip(), width)
-            lines += [Text(" " + ln) for ln in done[:self.COMPLETION_LINES]]
-            if len(done) > self.COMPLETION_LINES:
-                lines.append(Text(f" ... {len(done) - self.COMPLETION_LINES} more lines", style=pal.dim))
+            body = wrap(r.output_text.strip(), width)
+            lines += [Text(" " + ln) for ln in body]
+            if not done:
+                lines[-1].append("▌", style=pal.dim)
         else:
-            lines.append(Text(" (shown when the request finishes)", style=pal.dim))
+            lines.append(Text(" (the first words appear with its first tokens)" if not done else " (empty)",
+                              style=pal.dim))
         lines.append(Text(""))
         return join_lines(lines)
 

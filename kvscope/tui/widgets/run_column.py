@@ -111,6 +111,10 @@ class RunNumbers(StateWidget):
         elapsed = now - origin
         ln = Text(" tok/s ", style="bold", no_wrap=True)
         ln.append(f"{fmt.rate(tokens / elapsed if elapsed > 0 else 0.0):>5}")
+        gp = st.goodput
+        if gp is not None and gp.slo:  # the same span: tokens of good requests finished by now (docs/GOODPUT.md)
+            ln.append("  good ", style="bold")
+            ln.append(f"{fmt.rate(gp.good_tokens / elapsed if elapsed > 0 else 0.0)}")
         total = self.run.workload[0] if self.run.workload else 0
         ln.append(f"  done {done}/{total}", style=pal.dim)
         lines.append(ln)

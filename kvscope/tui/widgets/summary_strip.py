@@ -23,6 +23,20 @@ COLUMNS = (
     ("preemptions", "preempt", False, lambda v: str(int(v))),
     ("kv_waste", "KV waste", False, lambda v: fmt.pct(float(v))),
 )
+# with an SLO (--slo, or the traces' own) and a price (--cost-per-hour): docs/GOODPUT.md
+GOODPUT_COLUMNS = (("goodput_tok_per_s", "goodput", True, fmt.rate),
+                   ("slo_attainment", "SLO met", True, lambda v: fmt.pct(float(v))))
+COST_COLUMNS = (("usd_per_mtok", "$/Mtok", False, lambda v: f"${v:,.2f}"),
+                ("usd_per_mgood", "$/Mgood", False, lambda v: f"${v:,.2f}"))
+
+
+def columns_for(runs: list[Run]) -> tuple:
+    cols = COLUMNS
+    if any(r.ok and r.figures.get("slo") for r in runs):
+        cols += GOODPUT_COLUMNS
+    if any(r.ok and r.figures.get("usd_per_mtok") is not None for r in runs):
+        cols += COST_COLUMNS
+    return cols
 
 
 def best_of(runs: list[Run], key: str, higher: bool) -> set[int]:
@@ -48,21 +62,22 @@ class SummaryStrip(StateWidget):
         pal = self.pal
         width = max(10, self.size.width)
         name_w = max(8, min(24, max((len(r.label) + 1 + len(r.name) for r in self.runs), default=8)))
-        cell = max(8, min(12, (width - name_w - 1) // len(COLUMNS)))
-        if name_w + 1 + cell * len(COLUMNS) > width:
-            name_w = max(6, width - 1 - cell * len(COLUMNS))
+        columns = columns_for(self.runs)
+        cell = max(8, min(12, (width - name_w - 1) // len(columns)))
+        if name_w + 1 + cell * len(columns) > width:
+            name_w = max(6, width - 1 - cell * len(columns))
         head = Text(f" {'run':<{name_w}}", style=f"bold {pal.dim}", no_wrap=True)
-        for _, title, _, _ in COLUMNS:
+        for _, title, _, _ in columns:
             head.append(f"{title:>{cell}}", style=f"bold {pal.dim}")
         lines = [head]
-        best = {key: best_of(self.runs, key, higher) for key, _, higher, _ in COLUMNS}
+        best = {key: best_of(self.runs, key, higher) for key, _, higher, _ in columns}
         for i, run in enumerate(self.runs):
             ln = Text(f" {(run.label + ' ' + run.name)[:name_w]:<{name_w}}", no_wrap=True)
             if not run.ok:
                 ln.append(f"  cannot read: {run.error}", style=pal.bad)
                 lines.append(ln)
                 continue
-            for key, _, _, f in COLUMNS:
+            for key, _, _, f in columns:
                 v = run.figures.get(key)
                 text = "-" if v is None else f(v)
                 if i in best[key]:
