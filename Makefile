@@ -17,16 +17,28 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 
 .PHONY: install fetch demo test bench screenshots clean vllm
 
+# Each phase says what it does; pip shows its own progress (downloads take a minute or more the first time).
 $(STAMP): pyproject.toml
+	@echo "==> [1/4] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> [2/4] upgrading pip"
 	$(BIN)/python -m pip install -q --upgrade pip
 ifneq ($(HAS_GPU),yes)
-	$(BIN)/python -m pip install -q $(TORCH_CPU)
+	@echo "==> [3/4] installing torch (the CPU wheel: no GPU here)"
+	$(BIN)/python -m pip install --progress-bar on $(TORCH_CPU)
+else
+	@echo "==> [3/4] torch comes with kvscope's requirements (a GPU is here)"
 endif
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "==> [4/4] installing kvscope and its dependencies (editable)"
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $(STAMP)
+	@echo "==> installed"
+
+# How to run what was installed: said at the end of `make install` and `make demo`.
+PATH_HINT = @echo "kvscope is in $(VENV)/bin: run 'source $(VENV)/bin/activate' (then 'kvscope --help'), or call '$(BIN)/kvscope' directly"
 
 install: $(STAMP)
+	$(PATH_HINT)
 
 $(VLLM_STAMP): $(STAMP) Makefile
 	$(BIN)/python -m pip install -q --no-deps $(VLLM_PKGS)
@@ -36,6 +48,7 @@ vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvscope demo
+	$(PATH_HINT)
 
 # The real-model tests need SmolLM2-135M: fetched once into the model cache (a no-op afterwards).
 fetch: $(STAMP)

@@ -30,7 +30,7 @@ class Bench(Command):
                        "concurrent slots); empty for none (default: the first two)")
         p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
         p.add_argument("--roofline", action="store_true", help="measure this machine's GEMM FLOP/s and bandwidth "
-                       "and give each row its roofline %% (README, Real size on a CPU)")
+                       "and give each row its roofline %% (docs/BENCHMARKS.md, Real size on a CPU)")
         p.add_argument("--host-overhead", action="store_true",
                        help="host time per step at 64, 256 and 1,024 running, with no compute")
         p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation, or a .json file")

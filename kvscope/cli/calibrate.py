@@ -13,7 +13,7 @@ class Calibrate(Command):
     help = "fit the sim's efficiencies and overhead to a recorded trace"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file")
+        p.add_argument("file", metavar="TRACE", help="a .kvtrace file")
         p.add_argument("--gpu", default=None, help="the GPU the trace ran on (default: from the trace; cpu for CPU)")
         p.add_argument("--sim-model", default=None, help="catalog shape of the trace's model (default: from the trace)")
         p.add_argument("--no-per-seq", action="store_true", help="fit only efficiencies and the per-step overhead")

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import threading
 from typing import Any, Callable, Iterable, get_args
 
 from kvscope.engine.config import CONFIG_FIELDS, EngineConfig
@@ -153,6 +154,10 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     config = EngineConfig(**{**engine_settings(args), **overrides})
     config.validate()  # one line before anything is loaded or allocated
+    if config.backend == "model":
+        from kvscope.engine.named_models import check_model_name
+
+        check_model_name(config.model)
     return config
 
 
@@ -267,11 +272,82 @@ class NoProgress:
         pass
 
 
-def progress_bar(enabled: bool, *, total: int | None, desc: str, unit: str = "req"):
+def progress_bar(enabled: bool, *, total: int | None, desc: str, unit: str = "req", unbounded: str | None = None):
     """A tqdm bar on stderr, or a NoProgress. Callers never test it for truth: tqdm refuses bool() on
-    a bar without a total (an open-ended run such as `serve --http` or `--forever`)."""
+    a bar without a total (an open-ended run such as `serve --http` or `--forever`). ``unbounded``: the
+    bar's format when there is no total (a server idles between requests, so a rate over wall time
+    would mislead: the count alone)."""
     if not enabled:
         return NoProgress()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    fmt = unbounded if total is None else None
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, bar_format=fmt)
+
+
+class loading_line:
+    """One line of its own while a model loads, on a terminal: `kvscope: loading MODEL … 12 s`, redrawn
+    each second (after ``quiet_s``), then `kvscope: loaded MODEL in 24.1 s`; in a log only the last line.
+    transformers' own bars are turned off meanwhile. A failed load leaves its error the only line."""
+
+    def __init__(self, model: str, stream=None, quiet_s: float = 1.0, *, checkpoint: bool = True) -> None:
+        self.model = model
+        self.checkpoint = checkpoint  # False: the sim backend, which loads nothing (and must not import torch)
+        self.stream = stream or sys.stderr
+        self.quiet_s = quiet_s
+        self.shown = False
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        import time
+
+        self.t0 = time.monotonic()
+        if self.checkpoint and self.model not in _builtin_names():
+            try:  # a real checkpoint: transformers' bars would glue themselves to ours
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()
+            except ImportError:
+                pass
+        self._done = threading.Event()
+        if not self.stream.isatty():  # a log or a pipe: the one line comes when loaded (an error stays alone)
+            self._thread = None
+            return self
+
+        def tick() -> None:
+            if self._done.wait(self.quiet_s):
+                return
+            while True:
+                with self._lock:
+                    if self._done.is_set():
+                        return
+                    self.stream.write(f"\rkvscope: loading {self.model} … {time.monotonic() - self.t0:.0f} s")
+                    self.stream.flush()
+                    self.shown = True
+                if self._done.wait(1.0):
+                    return
+
+        self._thread = threading.Thread(target=tick, name="kvscope-loading", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        import time
+
+        with self._lock:
+            self._done.set()
+        if self._thread is None:
+            self.shown = True
+        else:
+            self._thread.join(2.0)
+            if self.shown:
+                self.stream.write("\r\x1b[K")  # the progress line gives way to the result (or the error)
+        if self.shown and exc_type is None:
+            self.stream.write(f"kvscope: loaded {self.model} in {time.monotonic() - self.t0:.1f} s\n")
+        self.stream.flush()
+
+
+def _builtin_names() -> frozenset[str]:
+    from kvscope.engine.shapes import BUILTIN_SHAPES
+
+    return frozenset(BUILTIN_SHAPES)

@@ -12,6 +12,8 @@ from kvscope.engine.config import SIM_GPUS
 class Demo(Command):
     name = "demo"
     help = "engine + dashboard"
+    description = ("Start an engine (kvscope serve --forever, sized for a live show) and the dashboard on it, "
+                   "in one command; q quits both. Ports 5557/5558 are used, or free ones if they are taken.")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
@@ -27,6 +29,11 @@ class Demo(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.demo import run_demo
+
+        if not args.sim:
+            from kvscope.engine.named_models import check_model_name
+
+            check_model_name(args.model)  # one line now, not a failed engine child later
 
         extra: tuple[str, ...] = ()
         if args.scheduler == "vllm":

@@ -18,7 +18,7 @@ class Diagnose(Command):
     help = "name the bottleneck of a trace (or of a sim config) and the knobs to turn"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file", nargs="?", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
+        p.add_argument("file", nargs="?", metavar="TRACE", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
         p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
         p.add_argument("--window", type=int_type(1, MAX_WINDOW), default=None, metavar="N",
                        help="judge only the last N steps")

@@ -14,7 +14,7 @@ class Export(Command):
     help = "a .kvtrace as Perfetto/chrome://tracing JSON and CSV tables (docs/EXPORT.md)"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file")
+        p.add_argument("file", metavar="TRACE", help="a .kvtrace file")
         p.add_argument("--perfetto", metavar="OUT.json", help="Chrome trace event JSON for Perfetto or chrome://tracing")
         p.add_argument("--requests", metavar="OUT.csv", help="one row per request")
         p.add_argument("--steps", metavar="OUT.csv", help="one row per scheduler step")

@@ -38,12 +38,24 @@ COMMANDS: tuple[Command, ...] = (Serve(), Bench(), BenchFeatures(), Tui(), Demo(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvscope", description="A small, real LLM inference engine whose scheduler you can watch.")
+    parser.add_argument("--version", action="version", version=f"kvscope {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        # every command's --help says what it does: its own description, else its one-line help as a sentence
+        description = command.description or command.help[0].upper() + command.help[1:] + "."
+        p = sub.add_parser(command.name, help=command.help, description=description)
         command.add_arguments(p)
         p.set_defaults(run=command.run)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvscope")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _one_line(e: BaseException) -> str:

@@ -17,7 +17,7 @@ class Record(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
-        p.add_argument("file")
+        p.add_argument("file", metavar="TRACE", help="the .kvtrace file to write")
         p.add_argument("--connect", default=None, metavar="ADDR", help=f"a kvscope engine's events "
                        f"(default {DEFAULT_EVENTS_ADDR})")
         p.add_argument("--control", default=None, metavar="ADDR", help=f"its control socket (default "

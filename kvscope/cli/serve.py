@@ -6,15 +6,23 @@ import argparse
 import sys
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import (UsageError, add_slo_args, check_address, check_output_path, engine_args, engine_config,
-                                float_type, int_type, open_socket, progress_bar, slo_from_args, workload_args,
+from kvscope.cli.common import (NoProgress, UsageError, add_slo_args, check_address, check_output_path, engine_args,
+                                engine_config, float_type, int_type, loading_line, open_socket, progress_bar,
+                                slo_from_args, workload_args,
                                 write_json)
 from kvscope.cli.stop_signals import StopSignals
+
+
+OFF = "none"  # --events none / --control none: no socket
+HEARTBEAT_S = 0.5  # an idle engine's heartbeat on the event socket: watchers show it live within 2 s
 
 
 class Serve(Command):
     name = "serve"
     help = "run the engine over a workload"
+    description = ("Run the engine: over a synthetic workload (--workload), behind the OpenAI API (--http), or "
+                   "both (--forever). It publishes its events on tcp://127.0.0.1:5557 (control 5558), where "
+                   "`kvscope tui` looks, unless told otherwise; a taken default port is swapped for a free one.")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
@@ -31,8 +39,10 @@ class Serve(Command):
         p.add_argument("--max-waiting", type=int_type(1, 1 << 20), default=DEFAULT_MAX_WAITING, metavar="N",
                        help="refuse new requests while N are waiting; a control burst past it is answered "
                             f"'refused' (default: {DEFAULT_MAX_WAITING})")
-        p.add_argument("--events", metavar="ADDR", help=f"publish events (e.g. {DEFAULT_EVENTS_ADDR})")
-        p.add_argument("--control", metavar="ADDR", help=f"accept control requests (e.g. {DEFAULT_CONTROL_ADDR})")
+        p.add_argument("--events", metavar="ADDR", help=f"publish events on ADDR (default: {DEFAULT_EVENTS_ADDR}, or "
+                       f"a free port if that one is taken; '{OFF}': publish nothing)")
+        p.add_argument("--control", metavar="ADDR", help=f"accept control requests on ADDR (default: "
+                       f"{DEFAULT_CONTROL_ADDR} while events are published, or a free port; '{OFF}': none)")
         p.add_argument("--allow-remote", action="store_true", help="allow binding to non-loopback addresses")
         p.add_argument("--record", metavar="FILE", help="record a .kvtrace file")
         p.add_argument("--kv-events-vllm", metavar="ADDR", help="publish prefix-cache events in vLLM's KV-event "
@@ -59,14 +69,20 @@ class Serve(Command):
         load_spec(args.workload)  # fail on a bad workload before loading the model
         check_output_path(args.json, inputs=[args.record, args.workload])
         check_output_path(args.record, inputs=[args.workload], kind="kvtrace")
+        _default_addresses(args)
         if args.events and args.control and args.events == args.control:
             raise UsageError(f"--events and --control must be different addresses (both {args.events})")
         for addr in (args.events, args.control):
             if addr:
                 check_address(addr, bind=True, allow_remote=args.allow_remote)
-        front = _front_end_check(args)
         config = engine_config(args)
-        publisher, control = _open_sockets(args)  # bind before the model loads: a port in use fails fast
+        front = _front_end_check(args)  # binds the HTTP port: a port in use fails before the model loads
+        try:
+            publisher, control = _open_sockets(args)  # also before the model loads
+        except BaseException:
+            if front is not None:
+                front.close_socket()
+            raise
         try:
             return _serve(args, config, publisher, control, front)
         finally:
@@ -76,24 +92,66 @@ class Serve(Command):
                 control.close()
 
 
+def _default_addresses(args) -> None:
+    """--events / --control not given: the defaults the dashboard looks at (marked, so a taken port can be
+    swapped for a free one); 'none': no socket. Control is on by default only beside the events."""
+    from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
+
+    args.events_default = args.events is None
+    args.control_default = args.control is None
+    if args.events_default:
+        args.events = DEFAULT_EVENTS_ADDR
+    if args.control_default:
+        args.control = DEFAULT_CONTROL_ADDR if args.events != OFF else OFF
+    args.events = None if args.events == OFF else args.events
+    args.control = None if args.control == OFF else args.control
+
+
+def _bind_or_fallback(what: str, addr: str, is_default: bool, make):
+    """Bind ``make(addr)``; a default address already taken falls back to a free port, said in one line."""
+    from kvscope.protocol.pubsub import zmq_module
+
+    try:
+        return make(addr)
+    except zmq_module().ZMQError as e:
+        if not is_default or not addr.startswith("tcp://"):
+            raise UsageError(f"cannot bind {addr}: {e}") from None
+    sock = open_socket("bind", addr, lambda: make(addr.rsplit(":", 1)[0] + ":0"))
+    print(f"kvscope: {addr} is taken (another engine?); {what} on {sock.addr} instead", file=sys.stderr)
+    return sock
+
+
 def _open_sockets(args):
     publisher = control = None
     if args.events:
         from kvscope.protocol.transport import ZmqPublisher
 
-        publisher = open_socket("bind", args.events, lambda: ZmqPublisher(args.events, allow_remote=args.allow_remote))
+        # bound now, heartbeats once the engine is up (_serve): live means the engine can take work
+        publisher = _bind_or_fallback("events", args.events, args.events_default, lambda a: ZmqPublisher(
+            a, allow_remote=args.allow_remote))
     if args.control:
         from kvscope.protocol.transport import ControlServer
         from kvscope.workload import PRESETS
 
         try:
-            control = open_socket("bind", args.control, lambda: ControlServer(
-                args.control, allow_remote=args.allow_remote, workloads=PRESETS))
+            control = _bind_or_fallback("control", args.control, args.control_default, lambda a: ControlServer(
+                a, allow_remote=args.allow_remote, workloads=PRESETS))
         except BaseException:
             if publisher is not None:
                 publisher.close()
             raise
     return publisher, control
+
+
+def _watch_hint(publisher, control) -> str:
+    from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
+
+    cmd = "kvscope tui"
+    if publisher.addr != DEFAULT_EVENTS_ADDR:
+        cmd += f" --connect {publisher.addr}"
+    if control is not None and control.addr != DEFAULT_CONTROL_ADDR:
+        cmd += f" --control {control.addr}"
+    return f"kvscope: events on {publisher.addr}; watch them: {cmd}"
 
 
 def _serve(args, config, publisher, control, front) -> int:
@@ -104,12 +162,16 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.analysis.goodput import GoodputTally, RequestRecord, row_fields
     from kvscope.engine.telemetry import finish_record
 
-    engine = LLMEngine(config)
+    with loading_line(config.model, checkpoint=config.backend == "model"):
+        engine = LLMEngine(config)
     slo = slo_from_args(args)
     engine.hello_extra = slo.to_wire()  # in the trace and on /metrics (docs/GOODPUT.md)
     print(f"kvscope: {engine.describe_model()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_dtype()}", file=sys.stderr)
     print(f"kvscope: {engine.describe_kv_cache()}", file=sys.stderr)
+    if publisher is not None:
+        publisher.heartbeat_s = HEARTBEAT_S
+        print(_watch_hint(publisher, control), file=sys.stderr, flush=True)
     front = front(engine) if front else None
     sinks = ([front.sink] if front else []) + ([publisher] if publisher is not None else [])
     if args.record:
@@ -135,10 +197,10 @@ def _serve(args, config, publisher, control, front) -> int:
     options = ServeOptions(workload=args.workload, num_requests=args.num_requests, seed=engine.config.seed,
                            forever=args.forever or http_only, burst_every_s=args.burst_every, step_clock_s=args.step_clock,
                            max_waiting=args.max_waiting)
-    progress = progress_bar(not args.no_progress, total=_total_requests(options), desc=f"{engine.config.mode}")
+    progress = NoProgress()  # made once the front end has said where it listens
     reason = "drained"
     goodput = GoodputTally(slo)
-    server = Server(engine, options, control=control, on_progress=progress.update,
+    server = Server(engine, options, control=control, on_progress=lambda n: progress.update(n),
                     inbox=front.bridge if front else None,
                     on_finished=lambda req: goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time))
     # Ctrl-C and SIGTERM end serve alike (the summary prints, the trace gets its index); the loop also
@@ -148,6 +210,13 @@ def _serve(args, config, publisher, control, front) -> int:
         try:
             if front is not None:
                 front.start()
+                if front.http is not None:
+                    host, port = front.http_address[0], front.http.port
+                    shown = f"[{host}]" if ":" in host else host
+                    print(f"kvscope: listening on http://{shown}:{port} (OpenAI API; /metrics, /health)",
+                          file=sys.stderr, flush=True)
+            progress = progress_bar(not args.no_progress, total=_total_requests(options),
+                                    desc=f"{engine.config.mode}", unbounded="{desc}: finished requests {n_fmt}")
             summary = server.run(items=() if http_only else None)
         except KeyboardInterrupt:
             summary = server.summary()
@@ -201,15 +270,19 @@ def _front_end_check(args):
     """Check --http / --metrics-port before loading the model; returns engine -> FrontEnd, or None."""
     if not args.http and args.metrics_port is None:
         return None
-    from kvscope.serve.frontend import FrontEnd, parse_host_port
+    from kvscope.serve.frontend import FrontEnd, bind_http, parse_host_port
 
-    if args.http:
-        parse_host_port(args.http, args.allow_remote)
     for name in args.served_model_name or ():
         if not name.strip():  # a client's "model": "" would then be served, and metrics labelled with nothing
             raise UsageError("--served-model-name: a model name cannot be empty")
+    sock = bind_http(*parse_host_port(args.http, args.allow_remote)) if args.http else None
+
     # the names clients ask for: the flag, else the model the engine resolved (its default included)
-    return lambda engine: FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
-                                   served_model_name=args.served_model_name or engine.config.model,
-                                   allow_remote=args.allow_remote, max_waiting=args.max_waiting,
-                                   api_key=args.api_key)
+    def make(engine):
+        return FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
+                        served_model_name=args.served_model_name or engine.config.model,
+                        allow_remote=args.allow_remote, max_waiting=args.max_waiting,
+                        api_key=args.api_key, http_socket=sock)
+
+    make.close_socket = lambda: sock.close() if sock is not None else None
+    return make

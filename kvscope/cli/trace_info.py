@@ -12,7 +12,7 @@ class TraceInfo(Command):
     help = "describe a .kvtrace file and check every chunk"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file")
+        p.add_argument("file", metavar="TRACE", help="a .kvtrace file")
         p.add_argument("--fast", action="store_true", help="trust the index: read no chunk (no checksum check)")
 
     def run(self, args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ MAX_WATCHED = 64
 class Tui(Command):
     name = "tui"
     help = "watch a live engine"
+    description = ("Watch a live engine (kvscope serve publishes on tcp://127.0.0.1:5557 by default), a vLLM "
+                   "server, or several of either in one overview.")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR

@@ -12,6 +12,7 @@ the bench's modes) load it once.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -229,13 +230,21 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
     _last = None  # let the previous model go before the next one is built
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
     folder, name = os.path.split(os.path.abspath(path))
+    # transformers draws its own de-quantizing bar with tqdm directly (its progress-bar switch does not
+    # reach it); kvscope's loading line already says what is happening, so the bar is off meanwhile
+    bar = hf_gguf.tqdm
+    hf_gguf.tqdm = functools.partial(bar, disable=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True,
                                                      **_dequantize_kwargs())
     except Exception as e:  # a corrupt tensor or an unknown layout surface as several exception types
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise KvscopeError(f"cannot load GGUF {path!r}: {first_line}") from None
+    finally:
+        hf_gguf.tqdm = bar
     model = model.to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

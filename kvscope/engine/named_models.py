@@ -156,3 +156,23 @@ def fetch(name: str, log: Callable[[str], None] | None = None) -> str:
         shutil.rmtree(work, ignore_errors=True)
     say(f"kvscope: {m.name} is at {target}")
     return target
+
+
+def check_model_name(model: str) -> None:
+    """A --model that is no built-in, no named model and no file or directory: one line that lists the
+    known names and suggests the closest (case, a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct,
+    a typo)."""
+    import difflib
+
+    from kvscope.engine.shapes import BUILTIN_SHAPES
+
+    if model in BUILTIN_SHAPES or model in NAMED_MODELS or os.path.exists(model):
+        return
+    known = [*BUILTIN_SHAPES, *NAMED_MODELS]
+    key = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    for suffix in ("-instruct", ".gguf"):
+        key = key.removesuffix(suffix)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise KvscopeError(f"unknown model {model!r}: the known names are {', '.join(known)} (or give a checkpoint "
+                       f"directory or a .gguf file){hint}")

@@ -26,6 +26,7 @@ __all__ = [
     "StepEvent",
     "SnapshotEvent",
     "ByeEvent",
+    "HeartbeatEvent",
     "BatchEntry",
     "Admission",
     "Preemption",

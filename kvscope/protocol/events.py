@@ -288,9 +288,15 @@ class ByeEvent(ProtocolEvent, tag="bye"):
     reason: Name = "drained"
 
 
+class HeartbeatEvent(ProtocolEvent, tag="heartbeat"):
+    """Sent by a publisher that has had nothing to send for a while (an idle or paused engine), so a
+    watcher knows the engine is up. Never recorded in a trace; a reader skips it."""
+    t: Float  # the publisher's wall clock (time.time())
+
+
 # A watched vLLM's recording events (vllm_metrics, vllm_kv, vllm_snapshot) live in
 # kvscope.protocol.vllm_events; they are part of the one union.
-Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent,
+Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent, HeartbeatEvent,
               VllmMetricsEvent, VllmKvEvent, VllmSnapshotEvent]
 
 

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from .codec import MAX_EVENT_BYTES, ProtocolError, UnknownEventType, decode, encode
+from .events import HeartbeatEvent
 
 __all__ = [
     "DEFAULT_EVENTS_ADDR",
@@ -121,6 +122,7 @@ class ZmqPublisher:
         queue_size: int = 4096,
         allow_remote: bool = False,
         count_drops: bool = True,
+        heartbeat_s: float | None = None,
     ):
         check_bind_address(addr, allow_remote)
         zmq = zmq_module()
@@ -142,6 +144,8 @@ class ZmqPublisher:
         self._closing = threading.Event()
         self._deadline = 0.0
         self._closed = False
+        # with nothing to send for heartbeat_s, a heartbeat: an idle engine still looks alive to watchers
+        self.heartbeat_s = heartbeat_s
         self._thread = threading.Thread(target=self._run, name="kvscope-publisher", daemon=True)
         self._thread.start()
 
@@ -178,13 +182,21 @@ class ZmqPublisher:
         zmq = zmq_module()
         sock = self._sock
         q = self._queue
+        last_send = time.monotonic()
         while True:
             if self._closing.is_set() and (q.empty() or time.monotonic() > self._deadline):
                 break
             try:
                 ev = q.get(timeout=0.05)
             except queue.Empty:
+                if self.heartbeat_s is not None and time.monotonic() - last_send >= self.heartbeat_s:
+                    last_send = time.monotonic()
+                    try:
+                        sock.send(encode(HeartbeatEvent(time.time())), zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # a subscriber too slow for a heartbeat is behind on events too
                 continue
+            last_send = time.monotonic()
             try:
                 data = ev if isinstance(ev, (bytes, bytearray)) else encode(ev)
             except ProtocolError:

@@ -29,6 +29,26 @@ def parse_host_port(value: str, allow_remote: bool, what: str = "--http") -> tup
     return host, int(port)
 
 
+def bind_http(host: str, port: int):
+    """Bind and listen on HOST:PORT now, before the model loads, so a port in use fails at once in one line;
+    uvicorn serves on this socket later."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise KvscopeError(f"cannot serve HTTP on {host}:{port}: {e.strerror or e}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def check_loopback(host: str, allow_remote: bool, what: str) -> None:
     if allow_remote or host in LOOPBACK_NAMES:
         return
@@ -52,7 +72,7 @@ class FrontEnd:
 
     def __init__(self, engine, *, http: str | None, metrics_port: int | None,
                  served_model_name: str | list[str] | None = None, allow_remote: bool = False,
-                 max_waiting: int | None = None, api_key: str | None = None) -> None:
+                 max_waiting: int | None = None, api_key: str | None = None, http_socket=None) -> None:
         from kvscope.serve.metrics import PrometheusSink
 
         from kvscope.serve.bridge import EngineBridge
@@ -67,6 +87,7 @@ class FrontEnd:
         self.http_address = parse_host_port(http, allow_remote) if http else None
         self.bridge = EngineBridge(engine, max_waiting=max_waiting) if http else None
         self.http = None
+        self.http_socket = http_socket  # bound already (bind_http), or None: uvicorn binds at start
         self._metrics_server = None
         self._metrics_port = metrics_port
         self.allow_remote = allow_remote
@@ -85,7 +106,7 @@ class FrontEnd:
                            chat_template_of(self.engine.tokenizer), self.metrics, tokenizer=self.engine.tokenizer,
                            api_key=self.api_key, root=self.engine.config.model,
                            vocab_size=self.engine.loaded.vocab_size)
-            self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address)
+            self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address, sock=self.http_socket)
             self.http.start()
         if self._metrics_port is not None:
             from prometheus_client import start_http_server
@@ -102,6 +123,8 @@ class FrontEnd:
             self.bridge.close()
         if self.http is not None:
             self.http.stop()
+        if self.http_socket is not None:
+            self.http_socket.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()

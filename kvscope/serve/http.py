@@ -375,7 +375,7 @@ class HttpFrontEnd:
 class HttpServer:
     """uvicorn on its own thread; the engine loop keeps the main thread."""
 
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, sock=None) -> None:
         import uvicorn
 
         from kvscope.serve.http_wire import JsonErrorsH11Protocol
@@ -384,7 +384,8 @@ class HttpServer:
                                 timeout_graceful_shutdown=2, access_log=False, http=JsonErrorsH11Protocol)
         self.server = uvicorn.Server(config)
         self.port = port
-        self.thread = threading.Thread(target=self.server.run, name="kvscope-http", daemon=True)
+        run = self.server.run if sock is None else (lambda: self.server.run(sockets=[sock]))
+        self.thread = threading.Thread(target=run, name="kvscope-http", daemon=True)
 
     def start(self, timeout: float = 10.0) -> None:
         self.thread.start()

@@ -72,9 +72,10 @@ class KvscopeApp(App):
         self._last_draw = 0.0
         self._startup_log = os.environ.get(STARTUP_LOG_ENV) or None
         self._stepped = False
+        self._fatal = False  # a LiveFeed's engine died: the app is exiting
 
     def _log_startup(self, what: str) -> None:
-        """How long start-up took, measured from outside (README: start-up figures)."""
+        """How long start-up took, measured from outside (docs/BENCHMARKS.md: start-up figures)."""
         if self._startup_log:
             with open(self._startup_log, "a", encoding="utf-8") as f:
                 f.write(f"{what} {time.time():.6f}\n")
@@ -163,6 +164,8 @@ class KvscopeApp(App):
 
     def pump(self) -> int:
         """Move the player, fold what every feed got, repaint if anything changed. Returns events applied."""
+        if self._fatal:
+            return 0
         if self.player is not None:
             self.player.sync()
         now = time.monotonic()
@@ -172,7 +175,12 @@ class KvscopeApp(App):
             for n in feed.take_notices():
                 self.toast(n.text, severity=n.severity, timeout=n.timeout, key=n.key)
             if isinstance(feed, LiveFeed) and feed.fatal:
-                self.exit()  # the engine we started is gone: the caller raises its error
+                # the engine we started is gone: the caller raises its error. Exit once the screen is up
+                # (an exit from the app's own on_mount would unmount the screen under its on_mount), and
+                # draw nothing meanwhile: the screens are going away
+                self._fatal = True
+                self.call_after_refresh(self.exit)
+                return applied
             if not self._stepped and isinstance(feed, EventFeed) and feed.state.steps_seen:
                 self._stepped = True
                 self._log_startup("first-step")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -74,6 +75,8 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
         start_timeout_s = max(start_timeout_s, REAL_MODEL_START_TIMEOUT_S)
         if model in NAMED_MODELS:
             fetch(model)  # here, before the dashboard takes the terminal: pip's progress bar shows
+    events_addr, control_addr = free_if_taken(events_addr), free_if_taken(control_addr)
+    asked_log = log_path
     if sim_gpu is not None:
         cmd = demo_command(events_addr, control_addr, device=device, model=SIM_DEMO_MODEL,
                            workload=SIM_DEMO_WORKLOAD, extra_args=extra_args, engine_args=sim_demo_args(sim_gpu))
@@ -81,6 +84,7 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
         cmd = demo_command(events_addr, control_addr, device=device, model=model, workload=workload,
                            extra_args=extra_args)
     proc, log_path = start_engine(cmd, log_path)
+    own_log = log_path != asked_log
     code = None
     failed = False
     try:
@@ -101,6 +105,30 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
         code = stop_engine(proc, control_addr)
     if not failed and code not in (0, None, -signal.SIGTERM):
         print(f"kvscope demo: warning: {_engine_failed(code, log_path)}", file=sys.stderr)
+    elif not failed and own_log:
+        with contextlib.suppress(OSError):  # a clean run leaves no log behind; a failed one names it
+            os.remove(log_path)
+
+
+def free_if_taken(addr: str) -> str:
+    """A tcp:// address whose port is taken (another demo or engine) becomes one on a free port, said in a
+    line; other addresses are left as they are (the engine then reports its own error)."""
+    import socket
+
+    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
+    if not addr.startswith("tcp://") or not sep or not port.isdigit():
+        return addr
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq binds: a TIME_WAIT port is free
+        try:
+            s.bind((host.strip("[]"), int(port)))
+            return addr
+        except OSError:
+            pass
+        s.bind((host.strip("[]"), 0))
+        free = f"tcp://{host}:{s.getsockname()[1]}"
+    print(f"kvscope demo: {addr} is taken (another engine or demo?); using {free}", file=sys.stderr)
+    return free
 
 
 class EngineStart:

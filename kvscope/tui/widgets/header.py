@@ -60,6 +60,8 @@ class HeaderBar(StateWidget):
         conn = st.conn
         if conn == CONN_LIVE:
             bot.append(" ● live ", style=f"bold {pal.ok}")
+            if not (st.running or st.waiting or st.preempted):  # up, with nothing to do (heartbeats)
+                bot.append("· idle ", style=pal.dim)
         elif conn == CONN_REPLAY:
             bot.append(" ▶ replay ", style=f"bold {pal.bar}")
         elif conn == CONN_CONNECTING:
