@@ -90,3 +90,13 @@ def test_bf16_preemption_by_swap_finishes_every_request():
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert all(o.error is None and len(o.token_ids) == 16 for o in outs)
     assert llm.engine.num_preemptions > 0
+
+
+def test_near_tie_bar_is_bf16_resolution_at_the_logit():
+    """A gap of a few bf16 roundings is a near-tie whatever the logit's size; a real gap is not."""
+    from _bf16 import NEAR_TIE, near_tie
+
+    assert near_tie(3.0) == NEAR_TIE  # small logits: the fixed bar
+    assert near_tie(23.625) == 0.5 and near_tie(-23.625) == 0.5  # ulp 0.125 at 16-32: 3 ulps (0.375) is a tie
+    assert near_tie(40.0) == 1.0  # ulp 0.25 at 32-64
+    assert 0.375 < near_tie(23.625) < 1.0 and near_tie(0.0) == NEAR_TIE
