@@ -45,6 +45,9 @@ class Serve(Command):
                        "for; the first is the default and the one metrics carry (default: the --model argument)")
         h.add_argument("--api-key", metavar="KEY", help="/v1 routes need 'Authorization: Bearer KEY' (default: "
                        "$KVSCOPE_API_KEY, then $VLLM_API_KEY; none: open)")
+        h.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a chat template a request brings (chat_template, or inside "
+                            "chat_template_kwargs; still sandboxed and bounded); without it such a request is a 400")
         h.add_argument("--metrics-port", type=int_type(1, 65535), metavar="N",
                        help="also serve /metrics alone on port N")
 
@@ -180,4 +183,5 @@ def _front_end_check(args):
     return lambda engine: FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
                                    served_model_name=args.served_model_name or engine.config.model,
                                    allow_remote=args.allow_remote, max_waiting=args.max_waiting,
-                                   api_key=args.api_key)
+                                   api_key=args.api_key,
+                                   trust_request_chat_template=args.trust_request_chat_template)
