@@ -32,7 +32,8 @@ from starlette.routing import Route
 
 from kvscope.engine.errors import KvscopeError
 from kvscope.serve import openai_protocol as oa
-from kvscope.serve.bridge import ACCEPTED, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge, Job, Update
+from kvscope.serve.bridge import (ACCEPTED, BAD_MIN_TOKENS, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge,
+                                  Job, Update)
 from kvscope.serve.replies import Reply
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -85,6 +86,8 @@ def _rejected(update: Update, prompt_param: str) -> oa.ApiError:
         return oa.ApiError(429, update.error, code="rate_limit_exceeded", type="rate_limit_error")
     if update.code == STOPPED:
         return oa.ApiError(503, update.error, type="server_error")
+    if update.code == BAD_MIN_TOKENS:
+        return oa.ApiError(400, update.error, param="min_tokens")
     return oa.ApiError(400, update.error, param=prompt_param, code=TOO_LONG if update.code == TOO_LONG else None)
 
 
@@ -280,7 +283,10 @@ class HttpFrontEnd:
             messages = oa.chat_messages(req)
             given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req), max_tokens_param=given)
+            # vLLM's default output length for chat is the rest of the context; the bridge sets it once the prompt's
+            # length is known, so until then the bound for min_tokens is the whole context
+            params = oa.sampling_params(req, max_tokens, self.info.max_model_len, oa.chat_logprobs(req),
+                                        max_tokens_param=given)
             prompt = await self._off_loop(self._chat_ids, messages, req)
             echo = oa.chat_echo(req, messages)
         except oa.ApiError as e:
