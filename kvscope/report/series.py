@@ -259,7 +259,9 @@ def read_trace(path: str, label: str) -> RunSeries:
     mode = str(as_dict.get("mode") or "")
     policy = str(as_dict.get("policy") or "")
     name = mode + (f" / {policy}" if policy and policy != "fcfs" else "")
-    run = RunSeries(path=path, label=label, name=name or os.path.basename(path), config=as_dict)
+    from kvscope.report.inputs import plain_text
+
+    run = RunSeries(path=path, label=label, name=plain_text(name or os.path.basename(path)), config=as_dict)
     try:
         fold(run, reader)
     except ProtocolError as e:
