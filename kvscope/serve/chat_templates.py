@@ -91,6 +91,7 @@ class RenderPool:
     def __init__(self, size: int = POOL_SIZE, timeout_s: float = RENDER_TIMEOUT_S,
                  memory_bytes: int = RENDER_MEMORY_BYTES, max_chars: int = RENDER_MAX_CHARS) -> None:
         self.timeout_s, self.memory_bytes, self.max_chars = timeout_s, memory_bytes, max_chars
+        self.size = size
         self._slots = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
@@ -116,14 +117,30 @@ class RenderPool:
         with self._lock:
             if self._closed:
                 raise RenderStopped("the server is stopping")
-            if self._idle:
-                return self._idle.pop()
-        return self._spawn()
+            w = self._idle.pop() if self._idle else None
+        if w is None:
+            w = self._spawn()
+        self._keep_spare()
+        return w
+
+    def _keep_spare(self) -> None:
+        """One worker idle and warm (its imports take seconds) while the pool has room: the next render does not
+        wait for a start behind a slow one."""
+        with self._lock:
+            needed = not self._idle and len(self._live) < self.size and not self._closed
+        if needed:
+            try:
+                spare = self._spawn()
+            except RenderStopped:
+                return
+            with self._lock:
+                self._idle.insert(0, spare)  # taken last: the warm ones go first
 
     def _drop(self, w: _Worker) -> None:
         with self._lock:
             self._live.discard(w)
         w.kill()
+        self._keep_spare()
 
     def render(self, template: str, messages: list[dict], add_generation_prompt: bool,
                continue_final_message: bool, kwargs: dict) -> str:
