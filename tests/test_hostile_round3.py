@@ -500,3 +500,96 @@ def test_inputs_must_be_regular_files(tmp_path, kind):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "o.html").exists()
+
+
+# ---- the same surfaces, attacked again ------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [
+    {"x": json.loads("[" * 200 + "]" * 200)},  # deep, but within what JSON decoding allows
+    {"a-b": 1, "": 2, "bos_token": "{{ 7 * 7 }}"},  # odd keys; a value is data, never a template
+    "lone surrogate",  # JSON's "\ud800" through msgpack to the worker
+])
+def test_odd_template_kwargs_render_or_are_one_line(trusted, kwargs):
+    body = {"messages": USER, "max_tokens": 1, "chat_template": "{{ bos_token }}|{{ messages[0]['content'] }}"}
+    if kwargs == "lone surrogate":
+        raw = json.dumps({**body, "chat_template_kwargs": {"enable_thinking": "SURR"}}).replace("SURR", "\\ud800")
+        r = httpx.post(trusted.base_url + "/v1/chat/completions", content=raw.encode(),
+                       headers={"content-type": "application/json"}, timeout=DEADLINE_S)
+        assert r.status_code in (200, 400) and "Traceback" not in r.text, r.text
+        return
+    r = _chat(trusted, {**body, "chat_template_kwargs": kwargs})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 200 and "bos_token" in kwargs:
+        assert r.json()["usage"]["prompt_tokens"] == len("{{ 7 * 7 }}|hi")  # not rendered a second time
+
+
+def test_a_large_message_through_a_trusted_template(trusted):
+    big = "x" * (3 << 20)
+    r = _chat(trusted, {"messages": [{"role": "user", "content": big}], "chat_template": "{{ messages[0]['content'] }}"},
+              "/tokenize")
+    assert r.status_code == 200 and r.json()["count"] == len(big)
+
+
+def test_concurrent_hostile_renders_leave_the_server_serving(trusted):
+    bodies = [{"messages": USER, "max_tokens": 1, "chat_template": t} for t, _ in HOSTILE_TEMPLATES[1:6]] * 2
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda b=b: out.append(_chat(trusted, b).status_code)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert out == [400] * len(bodies)
+    assert _chat(trusted, {"messages": USER, "max_tokens": 1}).status_code == 200
+    pool = trusted.front._render_pool
+    assert len(pool._live) <= pool.size
+
+
+@pytest.mark.parametrize("tail", [
+    struct.pack("<Q", 2000) + b"n" * 2000,  # a tensor name over 1 KiB
+    _s("t") + struct.pack("<I", 4) + struct.pack("<QQQQ", 1 << 20, 1 << 20, 1 << 20, 1),  # 2^60 elements
+    _s("t") + struct.pack("<I", 9),  # nine dimensions
+    b"",  # the tensors it claims are not there
+])
+def test_hostile_tensor_infos_are_one_line(tmp_path, tail):
+    from kvscope.engine import gguf as kv_gguf
+
+    kv = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
+    path = tmp_path / "t.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + kv + tail)
+    with pytest.raises(KvscopeError) as e:
+        kv_gguf.read_header(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_a_json_over_the_bound_is_one_line(tmp_path, capsys):
+    from kvscope.report.inputs import MAX_JSON_BYTES
+
+    f = tmp_path / "big.json"
+    with open(f, "wb") as out:
+        out.write(b'{"rows": [' + b" " * (MAX_JSON_BYTES + 10) + b"]}")
+    rc, err = _report(tmp_path, capsys, f)
+    assert rc == 2 and "more JSON than a report reads" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_deeply_nested_json_is_one_line(tmp_path, capsys):
+    f = tmp_path / "deep.json"
+    f.write_text('{"rows": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    rc, err = _report(tmp_path, capsys, f)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_abort_of_a_sample_waiting_on_a_lingering_prompt_frees_it():
+    llm = LLM(model="tiny", device="cpu", dtype="float32", mode="chunked", num_blocks=256, max_num_seqs=4,
+              max_num_batched_tokens=128, max_model_len=1024)
+    engine = llm.engine
+    rid = engine.add_request([(i * 5) % 250 for i in range(300)], SamplingParams(n=8, max_tokens=1, seed=1))
+    sched = engine.scheduler
+    while not sched._lingering:  # the first sample ends while the others wait (max_num_seqs 4)
+        engine.step()
+    for sid in list(sched.requests):
+        if sid != rid:
+            engine.abort_request(sid)
+    while engine.has_unfinished():
+        engine.step()
+    assert not sched._lingering and not sched._unforked
+    sched.bm.check_invariants()
+    assert sched.bm.num_used == 0

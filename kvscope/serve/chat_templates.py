@@ -98,28 +98,29 @@ class RenderPool:
         self._live: set[_Worker] = set()
         self._closed = False
 
-    def _spawn(self) -> _Worker:
+    def _spawn_locked(self, idle: bool) -> _Worker:
+        """A new worker (its Popen takes milliseconds; its imports run in the child), counted at once, so the
+        pool never holds more than `size`. Called with the lock held."""
+        if self._closed:
+            raise RenderStopped("the server is stopping")
         w = _Worker(self.timeout_s, self.memory_bytes, self.max_chars)
-        with self._lock:
-            if self._closed:
-                w.kill()
-                raise RenderStopped("the server is stopping")
-            self._live.add(w)
+        self._live.add(w)
+        if idle:
+            self._idle.insert(0, w)  # taken last: the warm ones go first
         return w
 
     def start(self) -> None:
         """Start one worker now, so that the first chat request does not wait for its imports."""
-        w = self._spawn()
         with self._lock:
-            self._idle.append(w)
+            if not self._idle:
+                self._spawn_locked(idle=True)
 
     def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
                 raise RenderStopped("the server is stopping")
-            w = self._idle.pop() if self._idle else None
-        if w is None:
-            w = self._spawn()
+            # holding a slot, at most size - 1 others render: with none idle there is room for one more
+            w = self._idle.pop() if self._idle else self._spawn_locked(idle=False)
         self._keep_spare()
         return w
 
@@ -127,14 +128,8 @@ class RenderPool:
         """One worker idle and warm (its imports take seconds) while the pool has room: the next render does not
         wait for a start behind a slow one."""
         with self._lock:
-            needed = not self._idle and len(self._live) < self.size and not self._closed
-        if needed:
-            try:
-                spare = self._spawn()
-            except RenderStopped:
-                return
-            with self._lock:
-                self._idle.insert(0, spare)  # taken last: the warm ones go first
+            if not self._idle and len(self._live) < self.size and not self._closed:
+                self._spawn_locked(idle=True)
 
     def _drop(self, w: _Worker) -> None:
         with self._lock:
