@@ -60,12 +60,13 @@ class Live:
 @contextlib.contextmanager
 def serving(config: EngineConfig | None = None, *, forever_workload: str | None = None, max_waiting=None,
             served_model_name: str | list[str] | None = "tiny", api_key: str | None = None,
-            sinks=None):
+            sinks=None, trust_request_chat_template: bool = False):
     """``sinks``: engine -> more event sinks (e.g. a TraceWriter, which needs the engine's hello)."""
     engine = LLMEngine(config or EngineConfig(num_blocks=256, max_num_seqs=64, max_num_batched_tokens=512,
                                               dtype="float32"))
     front = FrontEnd(engine, http="127.0.0.1:0", metrics_port=None, served_model_name=served_model_name,
-                     allow_remote=False, max_waiting=max_waiting, api_key=api_key)
+                     allow_remote=False, max_waiting=max_waiting, api_key=api_key,
+                     trust_request_chat_template=trust_request_chat_template)
     recorder = Recorder()
     engine.attach(FanOut([front.sink, recorder, *(sinks(engine) if sinks else ())]))
     options = ServeOptions(workload=forever_workload or "mixed", forever=True, verbose_rejects=False)

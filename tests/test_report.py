@@ -144,7 +144,7 @@ HOSTILE_JSON = {
         "bottleneck": "kv", "knobs": [{"flag": "--num-blocks", "predicted": {"output_tok_per_s": TOP}}],
         "what_if": {"baseline": {"output_tok_per_s": 1.0}}},
     "fields-of-the-wrong-type": {"bottleneck": {"a": []}, "knobs": [{"flag": [], "predicted": "fast"}],
-                                 "measure_next": 5, "secondary": "x", "evidence": {"a": 1}},
+                                 "measure_next": 5},
 }
 
 
@@ -156,6 +156,18 @@ def test_a_hostile_json_input_still_makes_a_page(name, tmp_path, capsys):
     assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "in.json")]) == 0
     assert "Traceback" not in capsys.readouterr().err
     assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("field", ["secondary", "evidence", "knobs"])
+@pytest.mark.parametrize("value", ["x", {"a": 1}, 5])
+def test_a_list_field_of_another_type_is_one_line(field, value, tmp_path, capsys):
+    """(issue 41: a list field holding an int was a TypeError traceback; any non-list is now one line)"""
+    import json
+
+    (tmp_path / "in.json").write_text(json.dumps({"bottleneck": "kv", field: value}))
+    assert main(["report", "--html", str(tmp_path / "r.html"), str(tmp_path / "in.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and not (tmp_path / "r.html").exists()
 
 
 def test_a_bench_json_of_many_rows_draws_the_first_ones_and_counts_the_rest(tmp_path):

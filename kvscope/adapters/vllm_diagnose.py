@@ -21,7 +21,7 @@ from typing import Iterable
 from kvscope.adapters.vllm_cache import CacheView
 from kvscope.adapters.vllm_knobs import CHUNKED_BUDGET, MEASURE_NEXT, choose
 from kvscope.adapters.vllm_metrics import Scrape
-from kvscope.adapters.vllm_signals import Reading, VllmFlags, read
+from kvscope.adapters.vllm_signals import DEFAULT_POLICY, VLLM_SCHEDULING_POLICIES, Reading, VllmFlags, read
 from kvscope.analysis import verdicts as V
 from kvscope.analysis.diagnose import Diagnosis, NoSteps, Runner, _config_line
 from kvscope.analysis.figures import RunFigures
@@ -156,11 +156,17 @@ def workload(r: Reading, n: int = WHATIF_REQUESTS, seed: int = WHATIF_SEED):
     return reqs
 
 
+def _sim_policy(vllm_policy) -> str:
+    """The sim's policy for a vLLM one: the same name (vLLM's fcfs and priority are kvscope built-ins too). Anything
+    else never reaches load_policy, which would read "module:Class" as code to import."""
+    return vllm_policy if vllm_policy in VLLM_SCHEDULING_POLICIES else DEFAULT_POLICY
+
+
 def sim_settings(r: Reading, flags: VllmFlags) -> tuple[dict, str]:
     """The sim's settings for vLLM's, and a note on what it had to assume."""
     cfg = r.config
     settings = {"backend": "sim", "model": cfg["model"], "gpu": flags.gpu, "mode": cfg["mode"],
-                "policy": cfg.get("policy") or "fcfs", "gpu_memory_utilization": cfg.get("gpu_memory_utilization") or 0.9,
+                "policy": _sim_policy(cfg.get("policy")), "gpu_memory_utilization": cfg.get("gpu_memory_utilization") or 0.9,
                 "prefix_caching": False, "tp": cfg.get("tp") or 1}
     for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
         if cfg.get(k):

@@ -36,6 +36,19 @@ from kvscope.analysis.verdicts import Evidence
 KV_FULL = V.KV_FULL
 PINNED = 0.9  # an interval's mean iteration tokens at >= 90% of the budget: the budget is what caps it
 DEFAULT_POLICY = "fcfs"  # vLLM's default --scheduling-policy
+# vLLM's --scheduling-policy values (vllm/config/scheduler.py SchedulerPolicy). A value in vLLM's vocabulary is
+# checked against vLLM's names and never read as kvscope's own `--policy module:Class`.
+VLLM_SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def vllm_scheduling_policy(value: str) -> str:
+    """A vLLM --scheduling-policy value, or a one-line KvscopeError naming vLLM's choices."""
+    if value not in VLLM_SCHEDULING_POLICIES:
+        from kvscope.engine.errors import KvscopeError
+
+        raise KvscopeError(f"vLLM's --scheduling-policy is one of {', '.join(VLLM_SCHEDULING_POLICIES)} "
+                         f"(got {value[:60]!r})")
+    return value
 S_RUNNING, S_WAITING, S_BY_REASON = "vllm:num_requests_running", "vllm:num_requests_waiting", \
     "vllm:num_requests_waiting_by_reason"
 S_KV, S_PREEMPT, S_ITER = "vllm:kv_cache_usage_perc", "vllm:num_preemptions", "vllm:iteration_tokens_total"
@@ -210,6 +223,8 @@ def settings_for(scrapes: list[Scrape], flags: VllmFlags, running_max: int, iter
                                   "(pass --vllm-max-num-batched-tokens)" if budget else "unknown"))
     chunked = pick("--enable-chunked-prefill", flags.enable_chunked_prefill, None, None, True,
                    "vLLM V1 default (on)")
+    if flags.scheduling_policy is not None:
+        vllm_scheduling_policy(flags.scheduling_policy)  # a caller that skipped the CLI's check
     policy = pick("--scheduling-policy", flags.scheduling_policy, None, None, DEFAULT_POLICY, "vLLM default")
     tp = pick("--tensor-parallel-size", flags.tensor_parallel_size, None, None, 1, "assumed (not exposed)")
     if flags.gpu:

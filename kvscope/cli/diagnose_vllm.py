@@ -7,6 +7,17 @@ import argparse
 
 from kvscope.cli.common import float_type, int_type
 
+def _vllm_policy(text: str) -> str:
+    """vLLM's own names only: this flag carries vLLM's vocabulary, never kvscope's `--policy module:Class`."""
+    from kvscope.adapters.vllm_signals import vllm_scheduling_policy
+    from kvscope.engine.errors import KvscopeError
+
+    try:
+        return vllm_scheduling_policy(text)
+    except KvscopeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # (flag, VllmFlags field, argparse type, help)
 VLLM_FLAGS = (
     ("--vllm-max-num-seqs", "max_num_seqs", int_type(1), "the vLLM's --max-num-seqs (else inferred from the "
@@ -18,7 +29,8 @@ VLLM_FLAGS = (
     ("--vllm-kv-cache-dtype", "kv_cache_dtype", str, "the vLLM's --kv-cache-dtype (else from vllm:cache_config_info)"),
     ("--vllm-tensor-parallel-size", "tensor_parallel_size", int_type(1), "the vLLM's --tensor-parallel-size "
      "(else 1)"),
-    ("--vllm-scheduling-policy", "scheduling_policy", str, "the vLLM's --scheduling-policy (else fcfs)"),
+    ("--vllm-scheduling-policy", "scheduling_policy", lambda text: _vllm_policy(text),
+     "the vLLM's --scheduling-policy: fcfs or priority (else fcfs)"),
 )
 SWITCHES = (("enable-chunked-prefill", "chunked prefill (else vLLM V1's default: on)"),
             ("enable-prefix-caching", "prefix caching (else from vllm:cache_config_info)"))

@@ -60,6 +60,9 @@ class Serve(Command):
                        "for; the first is the default and the one metrics carry (default: the --model argument)")
         h.add_argument("--api-key", metavar="KEY", help="/v1 routes need 'Authorization: Bearer KEY' (default: "
                        "$KVSCOPE_API_KEY, then $VLLM_API_KEY; none: open)")
+        h.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a chat template a request brings (chat_template, or inside "
+                            "chat_template_kwargs; still sandboxed and bounded); without it such a request is a 400")
         h.add_argument("--metrics-port", type=int_type(1, 65535), metavar="N",
                        help="also serve /metrics alone on port N")
 
@@ -282,7 +285,8 @@ def _front_end_check(args):
         return FrontEnd(engine, http=args.http, metrics_port=args.metrics_port,
                         served_model_name=args.served_model_name or engine.config.model,
                         allow_remote=args.allow_remote, max_waiting=args.max_waiting,
-                        api_key=args.api_key, http_socket=sock)
+                        api_key=args.api_key, http_socket=sock,
+                        trust_request_chat_template=args.trust_request_chat_template)
 
     make.close_socket = lambda: sock.close() if sock is not None else None
     return make

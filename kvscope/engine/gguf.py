@@ -33,6 +33,18 @@ MAX_TENSORS = 1 << 20
 MAX_ARRAY = 1 << 24
 MAX_STRING = 1 << 24
 MAX_DIMS = 8
+MAX_NESTING = 8  # arrays of arrays: GGUF writers nest one level at most; a deeper file is hostile
+MAX_ITEMS = 1 << 24  # array entries visited one by one over the whole header (nested ones and strings)
+MAX_TENSOR_NAME = 1024  # ggml's own limit is 64 bytes
+MAX_TENSOR_ELEMENTS = 1 << 40  # a dimension product past this is no real tensor
+# the largest value a shape field may take (what a hostile header could make the loader allocate or loop over);
+# each comfortably above every published model's
+SHAPE_LIMITS = {"num_hidden_layers": 1 << 12, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
+                "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+                "max_position_embeddings": 1 << 24, "vocab_size": 1 << 22}
+# the tensors every layer of a llama / qwen2 / qwen3 GGUF holds ("blk.N.<name>")
+LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 # GGUF value types: fixed sizes; 8 is a string, 9 an array
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _INT_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
@@ -52,6 +64,7 @@ class GgufHeader:
     tensor_types: frozenset[int]  # GGML type ids of the tensors
     shape: dict[str, int] = field(default_factory=dict)  # transformers config names -> the header's values
     tied_embeddings: bool = False  # no output.weight tensor: the lm_head is the token embedding
+    tensor_names: tuple[str, ...] = ()
 
     def quant_names(self) -> list[str]:
         return sorted(_type_name(t) for t in self.tensor_types)
@@ -64,6 +77,12 @@ def is_gguf_path(model: str) -> bool:
 class _Reader:
     def __init__(self, f, path: str) -> None:
         self.f, self.path = f, path
+        self.items_left = MAX_ITEMS  # a budget over the whole header: nested arrays cannot multiply the work
+
+    def spend(self, count: int) -> None:
+        self.items_left -= count
+        if self.items_left < 0:
+            raise KvscopeError(f"{self.path}: the header's arrays hold over {MAX_ITEMS} entries in all")
 
     def take(self, n: int) -> bytes:
         data = self.f.read(n)
@@ -77,15 +96,16 @@ class _Reader:
     def u64(self) -> int:
         return struct.unpack("<Q", self.take(8))[0]
 
-    def string(self) -> str:
+    def string(self, limit: int = MAX_STRING) -> str:
         n = self.u64()
-        if n > MAX_STRING:
+        if n > limit:
             raise KvscopeError(f"{self.path}: a header string claims {n} bytes")
         return self.take(n).decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
         """Past an array of strings (a vocabulary: ~100k of them), without decoding any; a tight loop."""
         read, seek, unpack = self.f.read, self.f.seek, struct.unpack
+        self.spend(count)
         for _ in range(count):
             raw = read(8)
             if len(raw) != 8:
@@ -95,10 +115,12 @@ class _Reader:
                 raise KvscopeError(f"{self.path}: a header string claims {n} bytes")
             seek(n, os.SEEK_CUR)
 
-    def value(self, kind: int, keep: bool):
+    def value(self, kind: int, keep: bool, depth: int = 0):
         if kind == 8:
             return self.string()
         if kind == 9:
+            if depth >= MAX_NESTING:
+                raise KvscopeError(f"{self.path}: header arrays nested over {MAX_NESTING} deep")
             item, count = self.u32(), self.u64()
             if count > MAX_ARRAY:
                 raise KvscopeError(f"{self.path}: a header array claims {count} entries")
@@ -107,8 +129,9 @@ class _Reader:
             elif item == 8:
                 self.skip_strings(count)
             else:
+                self.spend(count)
                 for _ in range(count):
-                    self.value(item, keep=False)
+                    self.value(item, keep=False, depth=depth + 1)
             return ("array", count) if keep else None
         if kind not in _SCALAR_SIZES:
             raise KvscopeError(f"{self.path}: unknown GGUF value type {kind}")
@@ -151,21 +174,53 @@ def read_header(path: str) -> GgufHeader:
             if "vocab_size" not in shape and tokens is not None:
                 shape["vocab_size"] = tokens
             types = set()
-            has_output = False
+            names = []
             for _ in range(n_tensors):
-                has_output |= r.string() == "output.weight"
+                names.append(r.string(MAX_TENSOR_NAME))
                 dims = r.u32()
                 if dims > MAX_DIMS:
                     raise KvscopeError(f"{path}: a tensor claims {dims} dimensions")
-                f.seek(8 * dims, os.SEEK_CUR)
+                numel = 1
+                for _ in range(dims):
+                    numel *= r.u64()
+                if numel > MAX_TENSOR_ELEMENTS:
+                    raise KvscopeError(f"{path}: tensor {names[-1][:64]!r} claims {numel} elements")
                 types.add(r.u32())
                 r.u64()
     except OSError as e:
         raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
+    for key, value in shape.items():
+        if not 1 <= value <= SHAPE_LIMITS[key]:
+            gguf_key = next(k for k, v in SHAPE_KEYS.items() if v == key)
+            raise KvscopeError(f"{path}: header field {arch}.{gguf_key} = {value} is outside 1..{SHAPE_LIMITS[key]}")
     if "head_dim" not in shape and shape.get("num_attention_heads") and "hidden_size" in shape:
         shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]  # transformers' default too
     return GgufHeader(fields.get("general.architecture", ""), fields.get("general.name", ""), frozenset(types),
-                      shape, tied_embeddings=not has_output)
+                      shape, tied_embeddings="output.weight" not in names, tensor_names=tuple(names))
+
+
+def check_layers(path: str, header: GgufHeader) -> None:
+    """Refuse a file whose tensors do not cover the layers its header declares: transformers would fill each
+    missing weight with random values and serve the result without a word."""
+    layers = header.shape.get("num_hidden_layers")
+    if layers is None:
+        raise KvscopeError(f"GGUF {path!r} declares no {header.architecture}.block_count")
+    present: dict[int, set[str]] = {}
+    for name in header.tensor_names:
+        block, _, rest = name.partition(".")[2].partition(".") if name.startswith("blk.") else ("", "", "")
+        if block.isdigit():
+            present.setdefault(int(block), set()).add(rest)
+    missing = [f"blk.{i}.{t}" for i in range(layers) for t in LAYER_TENSORS if t not in present.get(i, ())]
+    extra = sorted(i for i in present if i >= layers)
+    if "token_embd.weight" not in header.tensor_names:
+        missing.insert(0, "token_embd.weight")
+    if missing:
+        held = sum(1 for i in range(layers) if i in present)
+        raise KvscopeError(f"GGUF {path!r} declares {layers} layers but its tensors hold {held} of them whole "
+                           f"(missing {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); "
+                           "transformers would fill the rest with random weights")
+    if extra:
+        raise KvscopeError(f"GGUF {path!r} declares {layers} layers but holds tensors of layer {extra[0]}")
 
 
 def _dequantizable() -> dict[int, str]:
@@ -201,6 +256,7 @@ def check_servable(path: str) -> GgufHeader:
     bad = sorted(_type_name(t) for t in header.tensor_types if t not in known)
     if bad:
         raise KvscopeError(f"GGUF {path!r} uses quantization type {bad[0]}, which transformers cannot dequantize")
+    check_layers(path, header)
     return header
 
 

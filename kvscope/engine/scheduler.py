@@ -68,6 +68,10 @@ class Scheduler:
         self._finished_since_last: list[int] = []
         # parallel sampling: request id -> its other samples, waiting (outside WAITING) for its prompt's KV
         self._forks: dict[int, list[Request]] = {}
+        # fork source id -> its samples in WAITING that have not yet taken its prompt blocks; a source that ends
+        # first (max_tokens 1, a stop on its first token) lingers, holding its blocks, until every sample has them
+        self._unforked: dict[int, set[int]] = {}
+        self._lingering: dict[int, Request] = {}
         self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == PREEMPT_SWAP else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         # Queue membership as id lists for the step event, rebuilt only when a queue changed
@@ -100,6 +104,25 @@ class Scheduler:
         for sample in reversed(samples):
             self.waiting.appendleft(sample)
         self._queues_version += 1
+
+    def _fork_settled(self, sample: Request) -> None:
+        """sample left WAITING (admitted, or aborted): its source's blocks go once no other sample needs them."""
+        pending = self._unforked.get(sample.fork_of)
+        if pending is None:
+            return
+        pending.discard(sample.req_id)
+        if not pending:
+            del self._unforked[sample.fork_of]
+            held = self._lingering.pop(sample.fork_of, None)
+            if held is not None:
+                self.bm.free(held)
+
+    def _drop_lingering(self) -> None:
+        """Free every finished source's held prompt (its samples then compute the prompt themselves)."""
+        for source_id, held in list(self._lingering.items()):
+            self._unforked.pop(source_id, None)
+            self.bm.free(held)
+        self._lingering.clear()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._forks)
@@ -248,9 +271,10 @@ class Scheduler:
     def _fork_hits(self, head: Request) -> list[int | None]:
         """The blocks holding head's prompt but its last token, from the request it forks from (if
         that one still holds them): what head shares by refcount."""
-        source = self.requests.get(head.fork_of)
+        source = self.requests.get(head.fork_of) or self._lingering.get(head.fork_of)
         computed = head.num_prompt_tokens - 1
-        if source is None or source.status is not RequestStatus.RUNNING or source.num_computed_tokens < computed:
+        if (source is None or (source.status is not RequestStatus.RUNNING and source.req_id not in self._lingering)
+                or source.num_computed_tokens < computed):
             return []
         null, skip = self.bm.null_block, self.bm.outside_window(computed)
         hits = [None if b == null else b for b in source.block_table[: blocks_needed(computed, self.bm.block_size)]]
@@ -299,6 +323,9 @@ class Scheduler:
                 if self._preempt_for(head, out):
                     budget_left = self.budget - out.num_tokens
                     continue
+                if not self.running and self._lingering:  # nothing left to free but held prompts: recompute
+                    self._drop_lingering()
+                    continue
                 break
             if swapped:
                 self._swap_in(head, out)
@@ -310,6 +337,8 @@ class Scheduler:
                     # blocks shared or revived: none before the window of a sliding-window model
                     out.hits.append((head.req_id, computed, len(hits) - self.bm.outside_window(computed)))
             self._admit(head, now)
+            if head.fork_of is not None:
+                self._fork_settled(head)
             self._schedule_tokens(out, head, n)
             budget_left -= n
             admitted_any = True
@@ -447,6 +476,7 @@ class Scheduler:
         if self._forks:  # a request with n samples computed its prompt: the others can fork now
             for req in sampled_reqs:
                 if req.req_id in self._forks and req.num_output_tokens == 1:
+                    self._unforked[req.req_id] = {s.req_id for s in self._forks[req.req_id]}
                     self._queue_forks(req)
         self._stop_finished(sampled_reqs, now, eos_token_ids, finished)
         if self.mode is Mode.STATIC and self.running and all(r.done_generating for r in self.running):
@@ -501,6 +531,9 @@ class Scheduler:
         self._queues_version += 1
         if req_id in self._forks:
             self._queue_forks(req)  # its samples go on, each computing the prompt itself
+        self._unforked.pop(req_id, None)  # (an aborted source's samples recompute the prompt too)
+        if req.fork_of is not None:
+            self._fork_settled(req)
         req.finish_reason = reason
         self.bm.free(req)
         req.status = RequestStatus.FINISHED
@@ -512,7 +545,10 @@ class Scheduler:
     def _release(self, req: Request, now: float) -> None:
         self.running.remove(req)
         self._queues_version += 1
-        self.bm.free(req)
+        if self._unforked.get(req.req_id):
+            self._lingering[req.req_id] = req  # its samples still need its prompt blocks: freed when they have them
+        else:
+            self.bm.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
         self._finished_since_last.append(req.req_id)

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 from kvscope.errors import KvscopeError
 from kvscope.output_paths import HTML, check_output
 from kvscope.report import plots
-from kvscope.report.inputs import DIAGNOSIS, MAX_TRACES, RESULTS, TRACE, Input, ReportError, classify, race_traces
+from kvscope.report.inputs import (DIAGNOSIS, MAX_TRACES, RESULTS, TRACE, Input, ReportError, classify, plain_text,
+                                   race_traces)
 from kvscope.report.series import RunSeries, read_trace
 
 LABELS = "ABCD"
@@ -120,7 +121,7 @@ MAX_KNOBS = 64
 
 def results_section(inp: Input) -> str:
     data = inp.data or {}
-    rows = [r for r in data.get("rows", []) if isinstance(r, dict)]
+    rows = [r for r in _items(data, "rows", inp.path) if isinstance(r, dict)]
     more, rows = len(rows) - MAX_ROWS, rows[:MAX_ROWS]
     what = "race" if "traces" in data else "bench"
     meta = ", ".join(f"{k} {_e(data[k])}" for k in ("workload", "model", "device", "backend", "num_requests")
@@ -147,26 +148,36 @@ def results_section(inp: Input) -> str:
     return "\n".join(parts)
 
 
+def _items(d: dict, key: str, path: str) -> list:
+    """d[key] as the list it must be (absent: empty); any other type is the input's one-line error."""
+    v = d.get(key)
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise ReportError(f"{path}: '{key}' must be a list, got {type(v).__name__}")
+    return v
+
+
 def diagnosis_section(inp: Input) -> str:
     d = inp.data or {}
     parts = [f"<h2>Diagnosis: {_e(os.path.basename(inp.path))}</h2>",
              f"<p><b>Bottleneck: <code>{_e(d.get('bottleneck'))}</code></b> "
              f"(score {_num(d.get('score'))}) — {_e(d.get('source', ''))}</p>"]
-    evidence = [e for e in d.get("evidence") or [] if isinstance(e, dict)]
+    evidence = [e for e in _items(d, "evidence", inp.path) if isinstance(e, dict)]
     if evidence:
         parts.append(_table(["evidence", "value", "threshold"],
                             [[_e(e.get("text", e.get("name", ""))), _num(e.get("value")),
                               f"{_e(e.get('comparison', ''))} {_num(e.get('threshold'))}"] for e in evidence]))
-    secondary = [s for s in d.get("secondary") or [] if isinstance(s, dict)]
+    secondary = [s for s in _items(d, "secondary", inp.path) if isinstance(s, dict)]
     if secondary:
         parts.append("<p>Runners-up: " + "; ".join(f"<code>{_e(s.get('bottleneck'))}</code> ({_num(s.get('score'))}): "
                                                    f"{_e(s.get('evidence', ''))}" for s in secondary) + "</p>")
     if isinstance(d.get("slo"), str) and d.get("slo"):  # diagnosed against an SLO (docs/GOODPUT.md)
-        findings = [f for f in d.get("slo_findings") or [] if isinstance(f, str)][:16]
+        findings = [f for f in _items(d, "slo_findings", inp.path) if isinstance(f, str)][:16]
         parts.append(f"<p><b>SLO <code>{_e(d['slo'])}</code></b>: knobs ranked by predicted goodput; one its "
                      "what-if predicts lower goodput for is refused</p>"
                      + "".join(f"<p class=\"meta\">{_e(f)}</p>" for f in findings))
-    knobs = [k for k in d.get("knobs") or [] if isinstance(k, dict)][:MAX_KNOBS]
+    knobs = [k for k in _items(d, "knobs", inp.path) if isinstance(k, dict)][:MAX_KNOBS]
     baseline = (d.get("what_if") or {}).get("baseline") if isinstance(d.get("what_if"), dict) else None
     if knobs:
         rows = []
@@ -236,17 +247,18 @@ def write_report(paths: Sequence[str], out: str, *, log: Callable[[str], None] =
                  cost_per_hour: float | None = None) -> int:
     """Write the page atomically (a temporary file renamed), so a failure leaves no half page."""
     check_output(out, HTML, flag="--html", inputs=paths)  # the one output rule: never an input, nor another kind
-    page = build(paths, log=log, slo=slo, cost_per_hour=cost_per_hour)
+    data = plain_text(build(paths, log=log, slo=slo, cost_per_hour=cost_per_hour)).encode("utf-8")
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(page)
+        with open(tmp, "wb") as f:
+            f.write(data)
         os.replace(tmp, out)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise ReportError(f"cannot write {out}: {e.strerror}") from None
-    return len(page.encode())
+    finally:
+        if os.path.lexists(tmp):  # whatever failed (even a Ctrl-C), no half page stays behind
+            os.unlink(tmp)
+    return len(data)
 
 
 

@@ -9,7 +9,6 @@ input give the same bytes.
 from __future__ import annotations
 
 import io
-import math
 import re
 from typing import Sequence
 
@@ -31,7 +30,10 @@ def _plt():
 
     plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "kvscope-report", "font.size": 9,
                          "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
-                         "grid.alpha": 0.3, "figure.dpi": 96, "figure.constrained_layout.use": True})
+                         "grid.alpha": 0.3, "figure.dpi": 96, "figure.constrained_layout.use": True,
+                         # labels are names from files (runs, modes, policies, knob flags, workloads): drawn as
+                         # they are written, never parsed as mathtext ($\\frac{ would be a parse error) or TeX
+                         "text.parse_math": False, "text.usetex": False})
     return plt
 
 

@@ -266,7 +266,9 @@ def read_trace(path: str, label: str, slo: Slo | None = None, cost_per_hour: flo
     mode = str(as_dict.get("mode") or "")
     policy = str(as_dict.get("policy") or "")
     name = mode + (f" / {policy}" if policy and policy != "fcfs" else "")
-    run = RunSeries(path=path, label=label, name=name or os.path.basename(path), config=as_dict,
+    from kvscope.report.inputs import plain_text
+
+    run = RunSeries(path=path, label=label, name=plain_text(name or os.path.basename(path)), config=as_dict,
                     goodput=GoodputTally(resolve_slo(slo, config)), cost_per_hour=cost_per_hour)
     try:
         fold(run, reader)

@@ -27,6 +27,7 @@ from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 REJECTED, ACCEPTED, DELTA, DONE = "rejected", "accepted", "delta", "done"
 # why a job was refused before it reached the scheduler (the HTTP layer picks the status code)
 TOO_LONG, BAD_PROMPT, QUEUE_FULL, STOPPED = "context_length_exceeded", "bad_prompt", "queue_full", "stopped"
+BAD_MIN_TOKENS = "bad_min_tokens"  # min_tokens past the default max_tokens (the rest of the context)
 
 
 @dataclass(slots=True)
@@ -132,6 +133,10 @@ class EngineBridge:
             room = engine.max_model_len - len(ids)
             if job.default_max_tokens and room > 0:
                 job.params.max_tokens = room
+                if job.params.min_tokens > room:
+                    job.deliver(Update(REJECTED, error=f"min_tokens must be at most the rest of the context, "
+                                       f"{room} tokens (got {job.params.min_tokens})", code=BAD_MIN_TOKENS))
+                    return
             if 0 < room < job.params.max_tokens:
                 job.deliver(Update(REJECTED, code=TOO_LONG, error=(
                     f"this model's maximum context length is {engine.max_model_len} tokens; the request asks for "

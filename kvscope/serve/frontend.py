@@ -60,11 +60,19 @@ def check_loopback(host: str, allow_remote: bool, what: str) -> None:
         raise KvscopeError(f"{what} {host} is not a loopback address; pass --allow-remote to serve other hosts")
 
 
-def chat_template_of(tokenizer):
-    """The tokenizer's chat template as (messages, add_generation_prompt, **kwargs) -> prompt text, or None
-    (then the plain join is used)."""
-    render = getattr(tokenizer, "render_chat", None)
-    return render if render is not None and getattr(tokenizer, "has_chat_template", False) else None
+def chat_templates_of(tokenizer, trust_request_chat_template: bool):
+    """(the model's chat template as render(messages, add_generation_prompt, **kwargs) -> text or None (then the
+    plain join is used), a request template's render or None (refused), the render pool to close or None).
+    Both render in the bounded pool of kvscope.serve.chat_templates."""
+    from kvscope.serve.chat_templates import ChatTemplates, RenderPool, model_template_of
+
+    template, special = model_template_of(tokenizer)
+    if template is None and not trust_request_chat_template:
+        return None, None, None
+    pool = RenderPool()
+    templates = ChatTemplates(pool, template, special)
+    return (templates.render if template is not None else None,
+            templates.render if trust_request_chat_template else None, pool)
 
 
 class FrontEnd:
@@ -72,7 +80,8 @@ class FrontEnd:
 
     def __init__(self, engine, *, http: str | None, metrics_port: int | None,
                  served_model_name: str | list[str] | None = None, allow_remote: bool = False,
-                 max_waiting: int | None = None, api_key: str | None = None, http_socket=None) -> None:
+                 max_waiting: int | None = None, api_key: str | None = None, http_socket=None,
+                 trust_request_chat_template: bool = False) -> None:
         from kvscope.serve.metrics import PrometheusSink
 
         from kvscope.serve.bridge import EngineBridge
@@ -88,6 +97,9 @@ class FrontEnd:
         self.bridge = EngineBridge(engine, max_waiting=max_waiting) if http else None
         self.http = None
         self.http_socket = http_socket  # bound already (bind_http), or None: uvicorn binds at start
+        self.trust_request_chat_template = trust_request_chat_template
+        self._render_pool = None
+        self._http_front = None
         self._metrics_server = None
         self._metrics_port = metrics_port
         self.allow_remote = allow_remote
@@ -102,11 +114,15 @@ class FrontEnd:
         if self.http_address is not None:
             from kvscope.serve.http import ApiInfo, HttpFrontEnd, HttpServer
 
-            info = ApiInfo(self.served_model_names, self.engine.max_model_len,
-                           chat_template_of(self.engine.tokenizer), self.metrics, tokenizer=self.engine.tokenizer,
-                           api_key=self.api_key, root=self.engine.config.model,
-                           vocab_size=self.engine.loaded.vocab_size)
-            self.http = HttpServer(HttpFrontEnd(self.bridge, info).app, *self.http_address, sock=self.http_socket)
+            model_template, request_template, self._render_pool = chat_templates_of(
+                self.engine.tokenizer, self.trust_request_chat_template)
+            if self._render_pool is not None:
+                self._render_pool.start()
+            info = ApiInfo(self.served_model_names, self.engine.max_model_len, model_template, self.metrics,
+                           tokenizer=self.engine.tokenizer, api_key=self.api_key, root=self.engine.config.model,
+                           vocab_size=self.engine.loaded.vocab_size, request_template=request_template)
+            self._http_front = HttpFrontEnd(self.bridge, info)
+            self.http = HttpServer(self._http_front.app, *self.http_address, sock=self.http_socket)
             self.http.start()
         if self._metrics_port is not None:
             from prometheus_client import start_http_server
@@ -121,6 +137,10 @@ class FrontEnd:
     def close(self) -> None:
         if self.bridge is not None:
             self.bridge.close()
+        if self._http_front is not None:
+            self._http_front.close()
+        if self._render_pool is not None:
+            self._render_pool.close()  # a render in flight ends now, not when its time runs out
         if self.http is not None:
             self.http.stop()
         if self.http_socket is not None:

@@ -7,10 +7,11 @@ job's deliver callback into an asyncio.Queue. A client that disconnects gets its
 engine request aborted. docs/HTTP.md describes the endpoints, parameters and errors.
 
 Work that takes as long as a request's text (rendering the chat template, tokenizing a
-prompt of up to 4 MiB) runs on one worker thread of its own, so the job reaches the bridge
-as token ids: on the event loop it would stall every other connection, and in the engine
-loop every running request's next token (vLLM tokenizes in its API server for the same
-reason).
+prompt of up to 4 MiB) runs on a few worker threads of their own, so the job reaches the
+bridge as token ids: on the event loop it would stall every other connection, and in the
+engine loop every running request's next token (vLLM tokenizes in its API server for the
+same reason). A chat template renders in a worker process, bounded in time, memory and
+output (chat_templates.py), so one slow render holds one thread for at most its time limit.
 """
 
 from __future__ import annotations
@@ -31,10 +32,20 @@ from starlette.routing import Route
 
 from kvscope.engine.errors import KvscopeError
 from kvscope.serve import openai_protocol as oa
-from kvscope.serve.bridge import ACCEPTED, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge, Job, Update
+from kvscope.serve.bridge import (ACCEPTED, BAD_MIN_TOKENS, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge,
+                                  Job, Update)
 from kvscope.serve.replies import Reply
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+TEXT_THREADS = 6  # tokenizing and template renders at once: more than the render pool, so encodes go on
+# chat_template_kwargs keys that are the renderer's own parameters, not template variables: the request's own
+# fields set them, or they would change what the render returns
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversations", "conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length",
+    "return_tensors", "sanitize_control_tokens", "template"})
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")  # vLLM's words
 
 
 @dataclass
@@ -47,6 +58,9 @@ class ApiInfo:
     api_key: str | None = None  # every /v1 route then needs "Authorization: Bearer KEY"
     root: str = ""  # the --model argument (the model card's root)
     vocab_size: int = 0  # ids /detokenize accepts are below it
+    # renders a request's own template (render(messages, add_generation_prompt, template=T, **kwargs)); set only when
+    # the operator started the server with --trust-request-chat-template, else such a request is refused
+    request_template: object | None = None
 
 
 def kvscope_version() -> str:
@@ -72,6 +86,8 @@ def _rejected(update: Update, prompt_param: str) -> oa.ApiError:
         return oa.ApiError(429, update.error, code="rate_limit_exceeded", type="rate_limit_error")
     if update.code == STOPPED:
         return oa.ApiError(503, update.error, type="server_error")
+    if update.code == BAD_MIN_TOKENS:
+        return oa.ApiError(400, update.error, param="min_tokens")
     return oa.ApiError(400, update.error, param=prompt_param, code=TOO_LONG if update.code == TOO_LONG else None)
 
 
@@ -103,7 +119,7 @@ class HttpFrontEnd:
     def __init__(self, bridge: EngineBridge, info: ApiInfo) -> None:
         self.bridge = bridge
         self.info = info
-        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-text")
+        self._text_worker = ThreadPoolExecutor(max_workers=TEXT_THREADS, thread_name_prefix="kvscope-text")
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -166,8 +182,15 @@ class HttpFrontEnd:
         return self.info.tokenizer
 
     async def _off_loop(self, fn, *args):
-        """fn(*args) on the text worker thread; its ApiError comes back here."""
-        return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
+        """fn(*args) on a text worker thread; its ApiError comes back here."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
+        except RuntimeError as e:  # the executor was shut down: the server is stopping
+            raise oa.ApiError(503, f"the server is stopping ({e})", type="server_error") from None
+
+    def close(self) -> None:
+        """No new text work; threads waiting on a render are freed by the render pool's close."""
+        self._text_worker.shutdown(wait=False, cancel_futures=True)
 
     def _encode(self, text: str, special: bool, param: str = "prompt") -> list[int]:
         tok = self._tokenizer()
@@ -260,7 +283,10 @@ class HttpFrontEnd:
             messages = oa.chat_messages(req)
             given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            params = oa.sampling_params(req, max_tokens, 1, oa.chat_logprobs(req), max_tokens_param=given)
+            # vLLM's default output length for chat is the rest of the context; the bridge sets it once the prompt's
+            # length is known, so until then the bound for min_tokens is the whole context
+            params = oa.sampling_params(req, max_tokens, self.info.max_model_len, oa.chat_logprobs(req),
+                                        max_tokens_param=given)
             prompt = await self._off_loop(self._chat_ids, messages, req)
             echo = oa.chat_echo(req, messages)
         except oa.ApiError as e:
@@ -277,17 +303,43 @@ class HttpFrontEnd:
         text = self._chat_prompt(messages, req)
         return self._encode(text, bool(req.add_special_tokens), "messages") if self.info.tokenizer else text
 
+    def _request_template(self, req, kwargs: dict) -> str | None:
+        """A template the request brings (top-level chat_template, or inside chat_template_kwargs): refused unless
+        the operator trusts request templates (vLLM's --trust-request-chat-template)."""
+        given = [(p, v) for p, v in (("chat_template", req.chat_template),
+                                     ("chat_template_kwargs", kwargs.pop("chat_template", None))) if v is not None]
+        for param, value in given:
+            if self.info.request_template is None:
+                raise oa.ApiError(400, UNTRUSTED_TEMPLATE, param=param)
+            if not isinstance(value, str):
+                raise oa.ApiError(400, f"chat_template must be a string (got {type(value).__name__})", param=param)
+        return given[0][1] if given else None
+
     def _chat_prompt(self, messages: list[dict[str, str]], req) -> str:
-        render = self.info.chat_template
+        from kvscope.serve.chat_templates import RenderError, RenderStopped
+
         kwargs = dict(req.chat_template_kwargs or {})
+        template = self._request_template(req, kwargs)
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise oa.ApiError(400, f"chat_template_kwargs cannot set {reserved[0]!r}: it is the renderer's own "
+                                   "parameter (use the request's field where there is one)", param="chat_template_kwargs")
+        render = self.info.chat_template if template is None else self.info.request_template
         if render is None:
             return oa.plain_chat_prompt(messages, req.add_generation_prompt, req.continue_final_message)
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        if template is not None:
+            kwargs["template"] = template
         try:
             return render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-        except Exception as e:  # a template may refuse (e.g. roles out of order): the client's mistake
-            raise oa.ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except RenderStopped:
+            raise oa.ApiError(503, "the server is stopping", type="server_error") from None
+        except Exception as e:  # a template may refuse (e.g. roles out of order), or run past its bounds
+            param = "messages" if template is None else ("chat_template" if req.chat_template is not None
+                                                         else "chat_template_kwargs")
+            what = "refused these messages" if not isinstance(e, RenderError) else "failed"
+            raise oa.ApiError(400, f"the chat template {what}: {e}", param=param) from None
 
     async def _next(self, request: Request, job: Job, updates: asyncio.Queue, watch: list[float]) -> Update | None:
         """The next update; None if the client left meanwhile (its request is then aborted). The client

@@ -37,6 +37,7 @@ class _Timing:
     prompt_len: int = 0
     max_tokens: int = 0
     scheduled: float | None = None  # start of the first step that computed it
+    computed: int = 0  # prompt tokens its prefill chunks computed before its first token (the rest were shared)
     first_token: float | None = None  # end of the step that sampled its first token
     last_token: float | None = None
 
@@ -110,14 +111,21 @@ class PrometheusSink:
         timing = self._timing
         for b in ev.batch:
             tm = timing.get(b.req)
-            if tm is not None and tm.scheduled is None:
-                tm.scheduled = ev.t
+            if tm is not None:
+                if tm.scheduled is None:
+                    tm.scheduled = ev.t
+                if b.kind == PREFILL and tm.first_token is None:
+                    tm.computed += b.tokens
         for ft in ev.first_tokens:
             v.ttft.observe(ft.ttft)
             tm = timing.get(ft.req)
             if tm is not None:
                 tm.first_token = end
                 v.prompt_tokens.inc(tm.prompt_len)
+                computed = min(tm.computed, tm.prompt_len)
+                v.prompt_tokens_by_source["local_compute"].inc(computed)
+                v.prompt_tokens_by_source["local_cache_hit"].inc(tm.prompt_len - computed)
+                v.prompt_tokens_cached.inc(tm.prompt_len - computed)
         for rid in ev.sampled:
             tm = timing.get(rid)
             if tm is not None:

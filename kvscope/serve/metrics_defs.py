@@ -60,6 +60,14 @@ class VllmMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        # vLLM's split of each request's prompt (a sample of n counts its prompt in vllm:prompt_tokens, as each of
+        # vLLM's n child requests does): computed here, or found in KV another request holds (prefix cache, a fork)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", LABELS + ["source"],
+                            registry=reg)
+        self.prompt_tokens_by_source = {s: by_source.labels(*labels, s)
+                                        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           LABELS + ["finished_reason"], registry=reg)

@@ -123,7 +123,7 @@ REFUSED_COMPLETION: dict[str, tuple] = {"suffix": (None, ""), "prompt_embeds": _
 REFUSED_CHAT: dict[str, tuple] = {
     "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "reasoning_effort": _NONE,
-    "include_reasoning": (None, True), "documents": (None, []), "chat_template": _NONE, "media_io_kwargs": (None, {}),
+    "include_reasoning": (None, True), "documents": (None, []), "media_io_kwargs": (None, {}),
 }
 
 
@@ -159,7 +159,7 @@ class ChatRequest(_Request, kw_only=True):
     reasoning_effort: Any = None
     include_reasoning: Any = None
     documents: Any = None
-    chat_template: Any = None
+    chat_template: Any = None  # refused unless the server trusts request templates (http.py)
     media_io_kwargs: Any = None
 
 
@@ -173,6 +173,7 @@ class TokenizeRequest(Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None  # refused unless the server trusts request templates, as on chat
     return_token_strs: bool = False
 
 

@@ -283,15 +283,16 @@ def _checkpoint_stem(name: str) -> str:
 
 
 def _gguf_sizes(path: str) -> dict | None:
-    """A GGUF file's shape (its header's sizes), if the file is here to read."""
-    from kvscope.engine.gguf import is_gguf_path, read_header
+    """A GGUF file's shape (its header's sizes), if the file is here to read; a header the reader refuses (a
+    hostile size, nesting or count) is that one-line error, not an unknown name."""
+    from kvscope.engine.gguf import GGUF_MAGIC, is_gguf_path, read_header
 
     if not is_gguf_path(path) or not os.path.isfile(path):
         return None
-    try:
-        header = read_header(path)
-    except KvscopeError:  # not a readable GGUF: no shape to match
-        return None
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:  # not a GGUF at all: its name is all there is to match
+            return None
+    header = read_header(path)
     return {**header.shape, "tie_word_embeddings": header.tied_embeddings}
 
 
