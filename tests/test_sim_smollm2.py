@@ -19,7 +19,9 @@ from kvscope.engine.sim import catalog
 from kvscope.traces.reader import engine_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACE = os.path.join(ROOT, "traces", "smollm2-cpu.kvtrace")
+TRACE = os.path.join(ROOT, "traces", "smollm2-cpu.kvtrace")  # recorded on a quiet machine
+# the trace shipped before it: the same run recorded beside some 20 other jobs (seconds per step)
+LOADED_TRACE = os.path.join(ROOT, "tests", "data", "smollm2-cpu-loaded.kvtrace")
 NAME = "smollm2-135m"
 # the catalog's field for each transformers config name a GGUF header gives
 FIELDS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
@@ -98,12 +100,21 @@ def test_sim_backend_runs_the_shape(capsys):
 
 # ---- diagnose on the shipped real-model trace ---------------------------------------------------
 def test_diagnose_the_shipped_trace_with_a_calibrated_what_if():
+    """Recorded quietly: the fit is tight, the sim's baseline lands on the trace, and no caution is printed."""
     d = diagnose_trace(TRACE, what_if=True)
     text = format_text(d)
     w = d.what_if
-    assert d.backend == "model" and d.bottleneck and d.knobs, text
+    assert d.backend == "model" and d.bottleneck, text
     assert w.ran and w.calibrated and w.calibration["model"] == NAME and w.calibration["gpu"] == "cpu", text
     assert w.requests == w.of_requests == 8
+    assert w.calibration["mean_abs_rel_err"] < 0.2 and not w.caution, text
+
+
+def test_a_trace_recorded_beside_other_jobs_fits_loosely_and_says_so():
+    d = diagnose_trace(LOADED_TRACE, what_if=True)
+    text = format_text(d)
+    w = d.what_if
+    assert d.backend == "model" and d.bottleneck and d.knobs, text
     top = d.knobs[0]
     assert top.baseline is not None and top.predicted is not None, text
     # recorded on a 2-core host running ~20 other jobs: the step times follow the work loosely, and it says so
@@ -113,7 +124,7 @@ def test_diagnose_the_shipped_trace_with_a_calibrated_what_if():
 
 def test_diagnose_cli_on_the_shipped_trace(tmp_path, capsys):
     out = tmp_path / "d.json"
-    assert main(["diagnose", TRACE, "--json", str(out)]) == 0
+    assert main(["diagnose", LOADED_TRACE, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "cannot calibrate" not in text and f"calibrated the sim ({NAME} on cpu" in text
     data = json.loads(out.read_text())
