@@ -4,7 +4,7 @@ shared helpers in `common`, the parser and the error handling in `main`.
 This package is the only user of argparse; heavy imports happen inside each command's run.
 """
 
-from kvscope.engine.cpu_threads import prefer_passive_wait
+from kvscope.openmp_wait import prefer_passive_wait
 
 # every command, before any of them can import torch: OpenMP reads its wait policy once, when torch loads it
 # (`kvscope bench` imports torch before the model backend that used to set it, and kept spinning waits)

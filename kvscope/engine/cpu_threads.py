@@ -37,19 +37,17 @@ busy loop at 637-733 tok/s against 1,092-2,024 on one thread; the passive wait a
 of it. KVSCOPE_FIXED_THREADS=1 keeps the old meaning (exactly N, always), for measurements of N itself.
 
 Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
-imported unless the user set it: by the command line's package before any command runs, and by the
+imported unless the user set it, kvscope/openmp_wait.py: by the command line's package before any command runs, and by the
 model backend for library use), so a waiting thread does not take a core from the competitor.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 FIXED_THREADS_ENV = "KVSCOPE_FIXED_THREADS"  # set (not 0): an explicit --cpu-threads is exactly that, always
 CLEAR_RATIO = 1.5  # after two pairs, a candidate this much slower (or faster) ends its probe: the case is clear
 AFTER_SWITCH = 4  # after a switch the next probe waits this many first gaps
@@ -60,12 +58,6 @@ LOAD_CHANGE = 0.5  # cores: a change of other processes' load this large brings 
 def explicit_count_tunes() -> bool:
     """Whether an explicit --cpu-threads N may drop to fewer beside a competitor (the default; see above)."""
     return os.environ.get(FIXED_THREADS_ENV, "") in ("", "0")
-
-
-def prefer_passive_wait() -> None:
-    """Make OpenMP's idle threads sleep rather than spin; effective only before torch loads its OpenMP."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault(WAIT_POLICY_VAR, "PASSIVE")
 
 
 class ThreadTuner:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscope.engine.cpu_threads import prefer_passive_wait
+from kvscope.openmp_wait import prefer_passive_wait
 
 prefer_passive_wait()  # idle OpenMP threads sleep: must be decided before torch loads libgomp
 
