@@ -120,18 +120,6 @@ async def _replay(pilot, app, driver) -> None:
     check_phenomenon("2a-continuous", 0, app, driver.findings)
 
 
-async def _next_paused(pilot, app, driver) -> None:  # noqa: F841 (kept for a quiet-machine check)
-    """→ then space at once: the next run starts paused (commands are taken before its first step), no step
-    passes while it is, and space lets it go on to its moment."""
-    await pilot.press("right", "space")
-    assert await async_wait_for(lambda: driver.status.phase == "paused" and driver.status.scene_key == "8a-diagnose")
-    await pilot.pause(0.2)
-    step = app.state.step
-    await pilot.pause(0.5)
-    assert app.state.step == step < 48 and app.engine_paused
-    await pilot.press("space")
-
-
 @pytest.fixture
 def busy_process():
     """A process spinning beside the engine: the tour must not depend on how fast the engine runs."""
