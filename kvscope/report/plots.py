@@ -62,33 +62,30 @@ def _legend(ax):
         ax.legend(loc="best", fontsize=8, frameon=False)
 
 
-def throughput(runs: Sequence[RunSeries]) -> str:
+def _rate_over_time(runs: Sequence[RunSeries], column: str, title: str, ylabel: str, label) -> str:
+    """One line per run: a step column's rate over engine time."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
     for i, run in enumerate(runs):
-        ax.plot(run.steps.times(), run.steps.rate("out_tokens"), color=colour(i), lw=1.2,
-                label=f"{run.label} {run.name}")
-    ax.set_title("Output tokens per second over time")
+        ax.plot(run.steps.times(), run.steps.rate(column), color=colour(i), lw=1.2, label=label(run))
+    ax.set_title(title)
     ax.set_xlabel("engine time (s)")
-    ax.set_ylabel("output tok/s")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     _legend(ax)
     return to_svg(fig)
+
+
+def throughput(runs: Sequence[RunSeries]) -> str:
+    return _rate_over_time(runs, "out_tokens", "Output tokens per second over time", "output tok/s",
+                           lambda run: f"{run.label} {run.name}")
 
 
 def goodput(runs: Sequence[RunSeries]) -> str:
     """Goodput over time (tokens of requests that met every SLO target, at their finish) beside tok/s."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(WIDTH, 3.2))
-    for i, run in enumerate(runs):
-        ax.plot(run.steps.times(), run.steps.rate("good_tokens"), color=colour(i), lw=1.2,
-                label=f"{run.label} {run.name} (SLO {run.goodput.slo.describe()})")
-    ax.set_title("Goodput over time: output tokens of requests that met every SLO target, as they finish")
-    ax.set_xlabel("engine time (s)")
-    ax.set_ylabel("goodput tok/s")
-    ax.set_ylim(bottom=0)
-    _legend(ax)
-    return to_svg(fig)
+    return _rate_over_time(runs, "good_tokens",
+                           "Goodput over time: output tokens of requests that met every SLO target, as they finish",
+                           "goodput tok/s", lambda run: f"{run.label} {run.name} (SLO {run.goodput.slo.describe()})")
 
 
 def _cdf_points(sketch) -> tuple[list[float], list[float]]:
