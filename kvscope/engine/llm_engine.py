@@ -164,7 +164,10 @@ class LLMEngine:
     def describe_model(self) -> str:
         """One line for start-up: the model, the dtype its weights run in, and their memory."""
         describe = getattr(self.loaded, "describe", None)  # the real model's LoadedModel; the sim has none
-        return describe(self.dtype) if describe else f"model {self.loaded.name} ({self.backend.name}, {self.dtype})"
+        if not describe:
+            return f"model {self.loaded.name} ({self.backend.name}, {self.dtype})"
+        forward = getattr(self.runner, "forward_name", None)  # decoder.py's forward, or why transformers' runs
+        return describe(self.dtype) + (f"; forward: {forward}" if forward else "")
 
     def describe_dtype(self) -> str:
         """One line for start-up: the dtype the weights run in, and why (what --dtype auto found)."""

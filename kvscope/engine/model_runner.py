@@ -15,6 +15,7 @@ import torch
 from kvscope.engine import attention
 from kvscope.engine.block_manager import blocks_needed
 from kvscope.engine.cpu_threads import StepTuner
+from kvscope.engine.decoder import PagedDecoder
 from kvscope.engine.inputs import InputBuilder
 from kvscope.engine.kv_sizing import zeroed_cpu_tensor
 from kvscope.engine.models import LoadedModel
@@ -48,11 +49,18 @@ class ModelRunner:
         self.failures: dict[int, str] = {}
         self.tuner: StepTuner | None = None  # CPU without --cpu-threads: picks the thread count per step
         attention.install(self.model)
+        # On a CPU the written-out forward (decoder.py) runs the same operations with far fewer calls;
+        # CUDA keeps transformers' forward, which its captured graphs replay.
+        self.decoder, why = PagedDecoder.build(self.model) if device.type == "cpu" else (None, "CUDA graphs")
+        self.forward_name = "kvscope decoder" if self.decoder is not None else f"transformers ({why})"
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         inputs = self.inputs.build(out)
         rows = inputs.sample_rows
         keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+        if self.decoder is not None:
+            return self.decoder.forward(inputs.input_ids, inputs.position_ids, keep, self.kv_cache, inputs.meta,
+                                        self.ops)
         ctx = attention.ForwardContext(self.kv_cache, inputs.meta, self.ops)
         with attention.forward_context(ctx):
             return self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,

@@ -1,0 +1,140 @@
+"""The llama-family forward written out, for the CPU: transformers' operations in transformers' order and
+dtypes, without its per-module machinery.
+
+A SmolLM2 decode step through transformers' model code is thousands of small torch calls, and on a
+CPU each costs microseconds of Python and dispatch: at 30 layers of width 576 that host work was a
+third of a one-request step. This forward walks the same modules' weights with the fewest calls
+that give the same bits: q/k/v and gate/up as one packed GEMM each (cpu_linear.py), the rotary
+tables once per step, the paged attention ops directly, and the final norm and lm_head on the
+sampled rows only. Every operation that rounds (norms, rotary, residual adds, activations) is
+transformers' own, in its order and dtype, so the greedy tokens are transformers' (tests/test_decoder.py
+compares logits bit for bit). A model whose structure is not exactly this (another norm, activation,
+or layer type) keeps transformers' forward; `build` says why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvscope.engine.attention import WINDOW_ATTR
+from kvscope.engine.cpu_linear import fused_of
+from kvscope.kernels import AttentionMetadata, AttentionOps
+
+# transformers' classes whose forward is exactly the pre-norm llama block this file computes
+DECODER_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"}
+RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+FORCE_ENV = "KVSCOPE_FORWARD"  # "transformers": always run transformers' own forward (for comparing)
+
+
+@dataclass(frozen=True)
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' llama RMSNorm: in float32, then the weight times the input dtype's rounding."""
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    input_norm: Norm
+    qkv: torch.nn.Module | tuple  # one fused module, or the q, k, v modules
+    q_norm: Norm | None  # Qwen3's per-head norms
+    k_norm: Norm | None
+    o_proj: torch.nn.Module
+    post_norm: Norm
+    gate_up: torch.nn.Module | tuple  # one fused module, or the gate and up modules
+    down: torch.nn.Module
+    window: int | None
+    scaling: float
+
+
+def _norm(module) -> Norm | None:
+    if type(module).__name__ not in RMS_NORMS:
+        return None
+    return Norm(module.weight, module.variance_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedDecoder:
+    """One step's forward over the paged cache: packed token ids in, logits of the kept rows out."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[Layer], q_size: int, kv_size: int, head_dim: int,
+                 intermediate: int) -> None:
+        self.model = model
+        self.body = model.model
+        self.layers = layers
+        self.q_size, self.kv_size, self.head_dim, self.intermediate = q_size, kv_size, head_dim, intermediate
+        self.final_norm = _norm(self.body.norm)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> tuple[PagedDecoder | None, str]:
+        """The decoder for this transformers model, or None and why transformers' forward is kept."""
+        if os.environ.get(FORCE_ENV) == "transformers":
+            return None, f"{FORCE_ENV}=transformers"
+        body = getattr(model, "model", None)
+        cfg = model.config
+        if body is None or not hasattr(body, "layers") or _norm(getattr(body, "norm", None)) is None:
+            return None, f"{type(model).__name__} is not a llama-family model"
+        if getattr(cfg, "hidden_act", None) != "silu":
+            return None, f"activation {getattr(cfg, 'hidden_act', None)!r}"
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers = []
+        for i, block in enumerate(body.layers[: cfg.num_hidden_layers]):
+            if type(block).__name__ not in DECODER_LAYERS:
+                return None, f"layer type {type(block).__name__}"
+            attn, mlp = block.self_attn, block.mlp
+            norms = [_norm(block.input_layernorm), _norm(block.post_attention_layernorm)]
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            if None in norms or (q_norm is not None and _norm(q_norm) is None) or (
+                    k_norm is not None and _norm(k_norm) is None):
+                return None, f"layer {i}: a norm other than llama's RMSNorm"
+            qkv = fused_of(attn.q_proj, attn.k_proj, attn.v_proj) or (attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up = fused_of(mlp.gate_proj, mlp.up_proj) or (mlp.gate_proj, mlp.up_proj)
+            layers.append(Layer(i, norms[0], qkv, q_norm and _norm(q_norm), k_norm and _norm(k_norm), attn.o_proj,
+                                norms[1], gate_up, mlp.down_proj, getattr(attn, WINDOW_ATTR, None), attn.scaling))
+        q_size = cfg.num_attention_heads * head_dim
+        kv_size = cfg.num_key_value_heads * head_dim
+        return cls(model, layers, q_size, kv_size, head_dim, cfg.intermediate_size), ""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; keep: the rows whose logits are wanted -> logits [len(keep), vocab]."""
+        h = self.body.embed_tokens(input_ids[0])  # [T, hidden]
+        cos, sin = self.body.rotary_emb(h, position_ids)  # transformers' tables, [1, T, D] in h's dtype
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: broadcast over heads
+        t, d = h.shape[0], self.head_dim
+        for layer in self.layers:
+            x = layer.input_norm(h)
+            if isinstance(layer.qkv, tuple):
+                q, k, v = (m(x) for m in layer.qkv)
+            else:
+                q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[layer.index]
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, layer.scaling, layer.window)
+            h = h + layer.o_proj(attn.reshape(t, -1))
+            x = layer.post_norm(h)
+            if isinstance(layer.gate_up, tuple):
+                gate, up = (m(x) for m in layer.gate_up)
+            else:
+                gate, up = layer.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return self.model.lm_head(self.final_norm(h[keep]))

@@ -1,0 +1,99 @@
+"""The written-out CPU forward (engine/decoder.py): every step's logits are the bits transformers' own
+forward gives over the same paged cache, for each llama-family layout it accepts, and any other model
+keeps transformers' forward with the reason said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_checkpoint, token_prompts
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.decoder import FORCE_ENV, PagedDecoder
+
+# each layout the decoder accepts: llama (no bias), qwen2 (q/k/v bias), qwen3 (q/k norms, one layer slides),
+# mistral (every layer slides); 4 query heads over 2 KV heads
+LAYOUTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3-hybrid-w20": ("Qwen3Config", "Qwen3ForCausalLM",
+                         dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
+    "mistral-w24": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {name: save_checkpoint(tmp_path_factory.mktemp(name), cfg, cls, **extra)
+            for name, (cfg, cls, extra) in LAYOUTS.items()}
+
+
+def _compare_every_step(llm: LLM) -> list[int]:
+    """Wrap the runner's forward: run transformers' forward too and demand the same bits. Returns the
+    number of rows compared per step."""
+    runner = llm.engine.runner
+    decoder = runner.decoder
+    original = runner._forward
+    rows = []
+
+    def both(out):
+        runner.decoder = None
+        try:
+            want = original(out)
+        finally:
+            runner.decoder = decoder
+        got = original(out)  # rewrites the same K/V slots with the same values
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), f"step {len(rows)}: logits differ by {(got - want).abs().max().item()}"
+        rows.append(got.shape[0])
+        return got
+
+    runner._forward = both
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logits_are_transformers_bits_at_every_step(checkpoints, name, dtype):
+    # chunked prefill under a small budget, a prefix shared by two prompts, and 6 blocks that force
+    # preemption: decode rows, prefill chunks and mixed steps all go through both forwards
+    prompts = token_prompts([5, 23, 41, 57], 300, seed=3)
+    prompts.append(prompts[3][:32] + token_prompts([9], 300, seed=4)[0])
+    llm = LLM(checkpoints[name], device="cpu", dtype=dtype, mode="chunked", num_blocks=12,
+              max_num_batched_tokens=24, prefix_caching=True)
+    runner = llm.engine.runner
+    assert runner.decoder is not None and runner.forward_name == "kvscope decoder"
+    rows = _compare_every_step(llm)
+    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(rows) > 10 and max(rows) > 1, "several steps, some with several sampled rows"
+
+
+def test_the_fused_projections_are_used(checkpoints):
+    llm = LLM(checkpoints["qwen2-bias"], device="cpu", dtype="bfloat16")
+    decoder = llm.engine.runner.decoder
+    assert all(not isinstance(layer.qkv, tuple) and not isinstance(layer.gate_up, tuple)
+               for layer in decoder.layers), "q/k/v and gate/up run as one packed GEMM each"
+
+
+def test_forcing_transformers_forward(checkpoints, monkeypatch):
+    monkeypatch.setenv(FORCE_ENV, "transformers")
+    llm = LLM(checkpoints["llama"], device="cpu", dtype="float32")
+    runner = llm.engine.runner
+    assert runner.decoder is None and runner.forward_name == f"transformers ({FORCE_ENV}=transformers)"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_another_activation_keeps_transformers_forward(tmp_path):
+    path = save_checkpoint(tmp_path, "LlamaConfig", "LlamaForCausalLM", hidden_act="gelu")
+    llm = LLM(path, device="cpu", dtype="float32")
+    assert llm.engine.runner.decoder is None
+    assert llm.engine.runner.forward_name == "transformers (activation 'gelu')"
+
+
+def test_a_model_without_llama_layers_is_refused_by_build():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    decoder, why = PagedDecoder.build(model)
+    assert decoder is None and why == "GPT2LMHeadModel is not a llama-family model"
