@@ -63,9 +63,14 @@ def check_available() -> None:
         raise KvscopeError(f"peer {NAME} needs llama-cpp-python: {INSTALL}") from None
 
 
-def llama_cpp_row(config: EngineConfig, items, threads: int) -> Row:
-    """One request at a time through Llama.generate (its Python API has one sequence)."""
+def llama_cpp_row(config: EngineConfig, items, threads: int, sixteen_bit: str | None = None) -> Row:
+    """One request at a time through Llama.generate (its Python API has one sequence). sixteen_bit ("bf16",
+    "f16"): on that copy of the GGUF (gguf16.py: the dequantized weights kvscope runs), not the file itself."""
+    from kvscope.bench.gguf16 import sixteen_bit_copy, weight_bytes_per_token
+
     path = gguf_path(config)
+    if sixteen_bit is not None:
+        path = sixteen_bit_copy(path, sixteen_bit)
     n_ctx = max(len(it.prompt) + it.max_tokens for it in items) + 8
     llm = load_llama(path, threads, n_ctx)
     _serve_one(llm, [1, 2, 3], 2)  # warm-up, as kvscope's rows get one
@@ -79,7 +84,9 @@ def llama_cpp_row(config: EngineConfig, items, threads: int) -> Row:
         itl.extend(b - a for a, b in zip(times, times[1:]))
         tokens += len(times)
     span = time.perf_counter() - start
-    return Row.from_samples(NAME, ttft, itl, tokens, span, threads=threads, gguf=os.path.basename(path))
+    return Row.from_samples(f"{NAME}-{sixteen_bit}" if sixteen_bit else NAME, ttft, itl, tokens, span,
+                            threads=threads, gguf=os.path.basename(path),
+                            weights_mb_per_token=weight_bytes_per_token(path) / 1e6)
 
 
 def _serve_one(llm, prompt: list[int], max_tokens: int) -> list[float]:

@@ -83,6 +83,9 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         if tuner is not None:
             thread_choice = tuner.best
         row = mode_row(mode, engine, server, cpu_threads=tuner.best if tuner else engine.backend.cpu_threads)
+        weights = decode_weight_bytes(engine)
+        if weights is not None:
+            row.extra["weights_mb_per_token"] = weights / 1e6
         if options.roofline:
             ideal = ideal or _measure_machine(engine, config, log)
             row.extra.update(ideal.extra(steps[0].shapes, row.duration_s))
@@ -110,6 +113,17 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         log("[bench] events on/off ...", file=sys.stderr)
         result["events"] = events.measure_event_overhead(replace(config, mode=Mode.CHUNKED), items)
     return result
+
+
+def decode_weight_bytes(engine) -> int | None:
+    """Bytes of weights a decode token reads: every weight (the lm_head's packed copy included) but the input
+    embedding, of which a token reads one row. None on the sim."""
+    loaded = engine.loaded
+    model = getattr(loaded, "model", None)
+    if not isinstance(model, torch.nn.Module) or not getattr(loaded, "weight_bytes", 0):
+        return None
+    embed = model.get_input_embeddings().weight
+    return loaded.weight_bytes - embed.numel() * embed.element_size()
 
 
 def _measure_machine(engine, config: EngineConfig, log) -> roofline.Roofline:

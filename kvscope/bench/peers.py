@@ -121,6 +121,17 @@ def llama_cpp(config: EngineConfig, items) -> Row:
     return llama_cpp_row(config, items, config.cpu_threads or default_cpu_threads())
 
 
+def llama_cpp_16bit(kind: str) -> Callable[[EngineConfig, list], Row]:
+    """llama.cpp on a 16-bit copy of the same GGUF (kvscope/bench/gguf16.py): the weights kvscope computes with,
+    so both read the same bytes per token."""
+    def run(config: EngineConfig, items) -> Row:
+        from kvscope.bench.llama_peer import llama_cpp_row
+
+        return llama_cpp_row(config, items, config.cpu_threads or default_cpu_threads(), sixteen_bit=kind)
+
+    return run
+
+
 def check_llama_cpp(config: EngineConfig) -> None:
     from kvscope.bench.llama_peer import check_available, gguf_path
 
@@ -143,10 +154,13 @@ def check_llama_server(config: EngineConfig) -> None:
 
 
 PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch,
-                                                         "llama-cpp": llama_cpp, "llama-server": llama_server}
+                                                         "llama-cpp": llama_cpp, "llama-cpp-bf16": llama_cpp_16bit("bf16"),
+                                                         "llama-cpp-f16": llama_cpp_16bit("f16"), "llama-server": llama_server}
 DEFAULT_PEERS = ("hf-static", "hf-generate-batch")  # the llama.cpp peers are optional extras
 # Checked before any row runs, so a missing extra costs seconds, not the minutes of the rows before it.
 PEER_CHECKS: dict[str, Callable[[EngineConfig], None]] = {"llama-cpp": check_llama_cpp,
+                                                          "llama-cpp-bf16": check_llama_cpp,
+                                                          "llama-cpp-f16": check_llama_cpp,
                                                           "llama-server": check_llama_server}
 
 

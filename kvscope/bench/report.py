@@ -47,6 +47,10 @@ def rows_table(result: dict[str, Any]) -> str:
              str(r["preemptions"]) if r["preemptions"] is not None else "-", pct(r["kv_waste"]))
             for r in result["rows"]]
     header, rows = goodput_columns(result["rows"], header, rows)
+    if any(r.get("weights_mb_per_token") for r in result["rows"]):  # what one decode token reads
+        header += ("weights/token",)
+        rows = [(*row, "-" if not r.get("weights_mb_per_token") else f"{r['weights_mb_per_token']:.0f} MB")
+                for row, r in zip(rows, result["rows"])]
     if any("roofline_pct" in r for r in result["rows"]):  # `kvscope bench --roofline`
         header += ("roofline",)
         rows = [(*row, "-" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.1f}%")

@@ -62,13 +62,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 def install(model: torch.nn.Module) -> None:
     """Register our attention with transformers, switch the model to it, and give each layer its window."""
-    from transformers import AttentionInterface
-
     windows = attention_spec(model.config, "model").layer_windows
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
         if isinstance(layer, int) and hasattr(module, "q_proj"):
             setattr(module, WINDOW_ATTR, windows[layer])
+    if getattr(model, "decoder_only", False):  # light_llama.py's weights: transformers' model code never runs
+        return
+    from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     setter = getattr(model, "set_attn_implementation", None)

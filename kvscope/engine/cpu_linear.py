@@ -46,12 +46,21 @@ class PackedLinear(torch.nn.Module):
     """y = x W^T + b with W held in oneDNN's layout for this CPU."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
+        self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedLinear":
+        """Packed straight from a weight [out, in] (and bias), with no Linear (and its random init) in between."""
+        self = cls.__new__(cls)
+        self._pack(weight, bias)
+        return self
+
+    def _pack(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
+        self.out_features, self.in_features = w.shape
         self.dtype = w.dtype
         self.packed = _ops()._reorder_linear_weight(w, PACK_ROWS_HINT)  # plain attribute: not in state_dict
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ops()._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -124,12 +133,9 @@ def _fuse(parent: torch.nn.Module, names: tuple[str, ...]) -> bool:
            or m.weight.dtype != first.weight.dtype for m in layers):
         return False
     with torch.no_grad():
-        fused = torch.nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=first.bias is not None,
-                                dtype=first.weight.dtype).requires_grad_(False)
-        fused.weight.copy_(torch.cat([m.weight for m in layers]))
-        if first.bias is not None:
-            fused.bias.copy_(torch.cat([m.bias for m in layers]))
-    packed = PackedLinear(fused)
+        weight = torch.cat([m.weight for m in layers])
+        bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    packed = PackedLinear.of_weight(weight, bias)
     start = 0
     for name, m in zip(names, layers):
         setattr(parent, name, PackedSlice(packed, start, start + m.out_features))

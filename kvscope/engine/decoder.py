@@ -25,8 +25,10 @@ from kvscope.engine.cpu_linear import fused_of
 from kvscope.kernels import AttentionMetadata, AttentionOps
 
 # transformers' classes whose forward is exactly the pre-norm llama block this file computes
-DECODER_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"}
-RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+# (and light_llama.py's, which holds a llama checkpoint's weights under the same names)
+DECODER_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer",
+                  "LightDecoderLayer"}
+RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "LightRMSNorm"}
 FORCE_ENV = "KVSCOPE_FORWARD"  # "transformers": always run transformers' own forward (for comparing)
 
 

@@ -156,12 +156,22 @@ def load_entry(entry: Entry, dtype: torch.dtype, device: str):
     check_sizes(entry, manifest)
     checker = _Checker(entry, manifest)
     checker.start()  # hashing lets go of the GIL: it runs on another core while transformers is imported and reads
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvscope.engine import light_llama
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(entry.path, dtype=dtype, local_files_only=True)
-        tokenizer = (AutoTokenizer.from_pretrained(entry.path, local_files_only=True)
-                     if manifest.get("tokenizer") else None)
+        light = light_llama.unsupported(light_llama.read_config(entry.path), device) is None
+    except (OSError, ValueError):
+        light = False  # transformers' loader below says what is wrong with it
+    try:
+        if light:  # a plain llama on a CPU: its weights without transformers' model classes (light_llama.py)
+            model = light_llama.load(entry.path, light_llama.read_config(entry.path), dtype)
+            tokenizer = light_llama.load_tokenizer(entry.path) if manifest.get("tokenizer") else None
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(entry.path, dtype=dtype, local_files_only=True)
+            tokenizer = (AutoTokenizer.from_pretrained(entry.path, local_files_only=True)
+                         if manifest.get("tokenizer") else None)
     except Exception as e:  # noqa: BLE001 - a damaged file surfaces as several exception types
         checker.join()
         raise CorruptEntry(f"transformers cannot load it: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
