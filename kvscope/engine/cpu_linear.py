@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+NOTE_ATTR = "kvscope_pack_note"  # on a packed model: what packing it did, for the start-up line
 PACK_ROWS_HINT = 64  # the batch size oneDNN is told to expect: measured indifferent between 1 and 512
 
 
@@ -190,8 +191,8 @@ def pack_linears(model: torch.nn.Module) -> PackResult:
     slices = [m for m in model.modules() if isinstance(m, PackedSlice)]
     fused_ids = {id(s.fused) for s in slices}
     already = len(slices) + sum(isinstance(m, PackedLinear) and id(m) not in fused_ids for m in model.modules())
-    if already:
-        return PackResult(already, 0, f"linear layers: {already} packed for oneDNN")
+    if already:  # the memory was counted where it was packed; the note is that packing's
+        return PackResult(already, 0, getattr(model, NOTE_ATTR, f"linear layers: {already} packed for oneDNN"))
     why_not = packing_unavailable(dtype)
     if why_not is not None:
         return PackResult(0, 0, f"linear layers: torch's F.linear ({why_not})")
@@ -215,4 +216,5 @@ def pack_linears(model: torch.nn.Module) -> PackResult:
         note += f" ({fused} fused groups: q/k/v, gate/up)"
     if extra:
         note += f" (+{extra / 2**20:,.1f} MiB: the tied lm_head's own packed copy)"
+    setattr(model, NOTE_ATTR, note)
     return PackResult(count, extra, note)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -232,3 +233,32 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_with_tokenizer(path: str, dtype: torch.dtype, with_tokenizer: bool):
+    """(model with its linear layers packed for oneDNN, tokenizer or None). The tokenizer (Python: imports and
+    JSON) loads on a second thread while the weights are packed (oneDNN, which lets go of the GIL), so the two
+    overlap on two cores; pack_linears then finds the model packed."""
+    from kvscope.engine.cpu_linear import pack_linears, packing_unavailable
+
+    result: dict = {}
+
+    def tokenizer_thread() -> None:
+        try:
+            result["tokenizer"] = load_tokenizer(path)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=tokenizer_thread, name="kvscope-tokenizer", daemon=True)
+    if with_tokenizer:
+        thread.start()
+    try:
+        model = load(path, read_config(path), dtype)
+        if packing_unavailable(dtype) is None:
+            pack_linears(model)
+    finally:
+        if with_tokenizer:
+            thread.join()
+    if "error" in result:
+        raise result["error"]
+    return model, result.get("tokenizer")

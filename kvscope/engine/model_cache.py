@@ -164,8 +164,7 @@ def load_entry(entry: Entry, dtype: torch.dtype, device: str):
         light = False  # transformers' loader below says what is wrong with it
     try:
         if light:  # a plain llama on a CPU: its weights without transformers' model classes (light_llama.py)
-            model = light_llama.load(entry.path, light_llama.read_config(entry.path), dtype)
-            tokenizer = light_llama.load_tokenizer(entry.path) if manifest.get("tokenizer") else None
+            model, tokenizer = light_llama.load_with_tokenizer(entry.path, dtype, bool(manifest.get("tokenizer")))
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
