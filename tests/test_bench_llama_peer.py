@@ -52,3 +52,18 @@ def test_a_named_real_model_runs_llama_cpp_on_its_cached_gguf(monkeypatch, tmp_p
     with open(target, "wb") as f:  # a file of the pinned size counts as cached: nothing is fetched
         f.truncate(named_models.NAMED_MODELS["smollm2-135m"].file_size)
     assert gguf_path(EngineConfig(model="smollm2-135m")) == target
+
+
+def test_the_16_bit_llama_cpp_peers_and_the_weights_column():
+    from kvscope.bench import peers
+    from kvscope.bench.report import rows_table
+
+    assert {"llama-cpp-bf16", "llama-cpp-f16"} <= set(peers.PEERS) and "llama-cpp-bf16" in peers.PEER_CHECKS
+    row = dict(name="x", output_tok_per_s=1.0, ttft_mean_s=0.1, ttft_p99_s=0.2, itl_p99_s=0.01, preemptions=None,
+               kv_waste=None)
+    result = dict(workload="chat", model="m", device="cpu", num_requests=1, max_num_seqs=1,
+                  rows=[{**row, "name": "single-stream", "weights_mb_per_token": 269.1},
+                        {**row, "name": "llama-cpp", "weights_mb_per_token": 96.6}, row])
+    lines = rows_table(result).splitlines()
+    assert lines[1].split()[-1] == "weights/token"
+    assert lines[3].endswith("269 MB") and lines[4].endswith("97 MB") and lines[5].endswith("-")
