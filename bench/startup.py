@@ -24,7 +24,9 @@ Rows:
               the GGUF at every start, as before the cache;
 - serve-real: `kvscope serve --model smollm2-135m --http 127.0.0.1:PORT`: seconds until GET /health
               answers 200 (its "first step" column; no frame);
-- serve-real-uncached: the same with KVSCOPE_NO_MODEL_CACHE=1.
+- serve-real-uncached: the same with KVSCOPE_NO_MODEL_CACHE=1;
+- demo-real-transformers, serve-real-transformers: the cached entry read by transformers' own llama classes
+              and run by its forward (KVSCOPE_FORWARD=transformers), as before kvscope/engine/light_llama.py.
 
 The demo rows bind kvscope's default ports (5557/5558): nothing else may hold them meanwhile.
 The first --warmup rounds (default 1: a cold file cache is not what the figures are about) are
@@ -55,8 +57,14 @@ BIG_TRACE = os.path.join(tempfile.gettempdir(), "kvscope-startup-big.kvtrace")
 BIG_REQUESTS = 2000  # ~134k sim steps
 COLS, ROWS = 160, 50
 PROGRESS_TEXT = "starting the engine"  # the demo's header line while its engine loads (tui/demo.py)
-ALL_ROWS = ("demo", "replay", "replay-big", "demo-real", "demo-real-uncached", "serve-real", "serve-real-uncached")
+ALL_ROWS = ("demo", "replay", "replay-big", "demo-real", "demo-real-uncached", "demo-real-transformers", "serve-real",
+            "serve-real-uncached", "serve-real-transformers")
 UNCACHED = {"KVSCOPE_NO_MODEL_CACHE": "1"}
+TRANSFORMERS = {"KVSCOPE_FORWARD": "transformers"}  # the cached entry read by transformers' own model classes
+
+
+def _row_env(name: str) -> dict:
+    return UNCACHED if name.endswith("-uncached") else TRANSFORMERS if name.endswith("-transformers") else {}
 ANSI = re.compile(rb"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[@-Z\\-_])")
 MAX_SCREEN_BYTES = 4 << 20  # what is kept of a run's terminal output (for the progress-line check)
 
@@ -76,13 +84,13 @@ def row_spec(name: str, args: argparse.Namespace) -> dict:
         return {"cmd": kv + ["replay", args.trace], "need_step": True, "timeout": args.timeout}
     if name == "replay-big":
         return {"cmd": kv + ["replay", args.big_trace], "need_step": True, "timeout": args.timeout}
-    if name in ("demo-real", "demo-real-uncached"):
+    if name in ("demo-real", "demo-real-uncached", "demo-real-transformers"):
         return {"cmd": kv + ["demo", "--model", "smollm2-135m"], "need_step": True,
-                "timeout": args.real_timeout, "progress": True, "env": UNCACHED if "uncached" in name else {}}
-    if name in ("serve-real", "serve-real-uncached"):
+                "timeout": args.real_timeout, "progress": True, "env": _row_env(name)}
+    if name in ("serve-real", "serve-real-uncached", "serve-real-transformers"):
         port = _free_port()
         return {"cmd": kv + ["serve", "--model", "smollm2-135m", "--http", f"127.0.0.1:{port}"], "health_port": port,
-                "timeout": args.real_timeout, "env": UNCACHED if "uncached" in name else {}}
+                "timeout": args.real_timeout, "env": _row_env(name)}
     raise SystemExit(f"startup.py: unknown row {name!r} (rows: {', '.join(ALL_ROWS)})")
 
 

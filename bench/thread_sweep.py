@@ -21,6 +21,8 @@ shared machine falls on both):
               --peers hf-generate-batch`
               (kvscope's row and the peer's, both at the same thread count);
 - chunked-mixed: the tiny model, 16 requests of the mixed workload, kvscope's chunked row alone (short: a loaded machine);
+- single-stream-real: `kvscope bench --model smollm2-135m --workload chat --num-requests 4 --modes single-stream`
+              (one chat stream at a time on the real model);
 - demo:       the demo's engine (`kvscope demo`'s own command line) with the dashboard watching in
               a second process, as `make demo` runs them; tok/s counted from the step events over
               a fixed window after a warm-up;
@@ -92,6 +94,16 @@ def bench(n, workload: str = "realsize", requests: str = "256", peers: bool = Tr
         return (rows["chunked"], rows["hf-generate-batch"]) if peers else (rows["chunked"],)
 
 
+def single_stream_real(n) -> float:
+    """SmolLM2's single-stream row (one chat stream at a time): the rate one user chatting gets."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "bench.json")
+        _kvscope(["bench", "--device", "cpu", "--model", "smollm2-135m", "--workload", "chat", "--num-requests", "4",
+                  "--modes", "single-stream", "--peers", "", *_threads_args(n), "--json", out], timeout=1200, n=n)
+        with open(out) as f:
+            return json.load(f)["rows"][0]["output_tok_per_s"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,6 +172,8 @@ ROWS = {
     "bench-mixed": lambda n: dict(zip(("chunked", "hf-generate-batch"), bench(n, "mixed", "48"))),
     # the same, kvscope's row alone (issue 42's wait-policy A/B: a third of the requests, more rounds in the same time)
     "chunked-mixed": lambda n: dict(zip(("chunked",), bench(n, "mixed", "16", peers=False))),
+    # one chat stream on the real model (SmolLM2-135M, fetched): per-step host work and small GEMMs
+    "single-stream-real": lambda n: {"single-stream": single_stream_real(n)},
 }
 
 COMPETITOR = "while True: pass"  # one CPU-bound process, as a browser tab or a second engine would be
