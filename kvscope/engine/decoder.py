@@ -65,9 +65,11 @@ def _norm(module) -> Norm | None:
     return Norm(module.weight, module.variance_epsilon)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' x * cos + rotate_half(x) * sin, in 4 calls instead of 7: rotate_half(x) is x rolled by half
+    with its first half negated, and negating a factor of a product negates the rounded product exactly, so
+    rolling x and negating sin's first half (signed_sin, once per step) gives the same bits."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class PagedDecoder:
@@ -111,6 +113,23 @@ class PagedDecoder:
         kv_size = cfg.num_key_value_heads * head_dim
         return cls(model, layers, q_size, kv_size, head_dim, cfg.intermediate_size), ""
 
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        """The layer's q and k (rotated) and v, each [T, heads, D]."""
+        t, d = x.shape[0], self.head_dim
+        if isinstance(layer.qkv, tuple):
+            q, k, v = (m(x) for m in layer.qkv)
+        else:
+            qkv = layer.qkv(x)
+            if layer.q_norm is None:  # q and k side by side in the fused output: one rotary pass for both
+                qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos, signed_sin)
+                heads = self.q_size // d
+                return qk[:, :heads], qk[:, heads:], qkv[:, self.q_size + self.kv_size :].view(t, -1, d)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        return _rope(q, cos, signed_sin), _rope(k, cos, signed_sin), v
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         """input_ids, position_ids [1, T]; keep: the rows whose logits are wanted -> logits [len(keep), vocab]."""
@@ -118,17 +137,10 @@ class PagedDecoder:
         cos, sin = self.body.rotary_emb(h, position_ids)  # transformers' tables, [1, T, D] in h's dtype
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: broadcast over heads
         t, d = h.shape[0], self.head_dim
+        half = d // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for layer in self.layers:
-            x = layer.input_norm(h)
-            if isinstance(layer.qkv, tuple):
-                q, k, v = (m(x) for m in layer.qkv)
-            else:
-                q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._qkv(layer, layer.input_norm(h), cos, signed_sin)
             k_cache, v_cache = kv_cache[layer.index]
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, layer.scaling, layer.window)
