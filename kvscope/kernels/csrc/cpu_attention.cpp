@@ -32,9 +32,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline void axpy(float* acc, float w, const float* x, int64_t n) {
+// acc += sum over t of p[t] * rows[t], 64 floats of acc at a time held in registers across the
+// block's rows (written as a fixed-length inner loop: the compiler keeps `a` in vector registers).
+constexpr int64_t kAccLanes = 64;
+
+inline void accumulate(float* acc, const float* p, const float* rows, int64_t stride, int64_t n, int64_t d) {
+  int64_t i0 = 0;
+  for (; i0 + kAccLanes <= d; i0 += kAccLanes) {
+    float a[kAccLanes];
+    for (int64_t l = 0; l < kAccLanes; ++l) a[l] = acc[i0 + l];
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[t];
+      const float* r = rows + t * stride + i0;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * x[i];
+      for (int64_t l = 0; l < kAccLanes; ++l) a[l] += pt * r[l];
+    }
+    for (int64_t l = 0; l < kAccLanes; ++l) acc[i0 + l] = a[l];
+  }
+  for (int64_t t = 0; t < n; ++t) {  // head dims that are not a multiple of 64
+#pragma omp simd
+    for (int64_t i = i0; i < d; ++i) acc[i] += p[t] * rows[t * stride + i];
+  }
 }
 
 inline void scale_in_place(float* x, float w, int64_t n) {
@@ -42,20 +60,31 @@ inline void scale_in_place(float* x, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= w;
 }
 
-// A cache row as fp32: float rows are used where they lie, bf16 rows widened into a tile
-// (a bf16 is the top half of a float's bits, so the widening is a shift the compiler vectorises).
-inline const float* row_as_float(const float* src, float* /*tile*/, int64_t /*n*/) { return src; }
+// A block's rows of one KV head as fp32 rows `stride` floats apart: float rows are used where they
+// lie in the cache, bf16 rows widened into the tile (a bf16 is the top half of a float's bits, so
+// the widening is a shift the compiler vectorises).
+struct Rows {
+  const float* data;
+  int64_t stride;
+};
 
-inline const float* row_as_float(const c10::BFloat16* src, float* tile, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+inline Rows rows_as_float(const float* src, int64_t n, int64_t row_stride, float* /*tile*/, int64_t /*d*/) {
+  return {src, row_stride};
+}
+
+inline Rows rows_as_float(const c10::BFloat16* src, int64_t n, int64_t row_stride, float* tile, int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src + t * row_stride);
+    float* dst = tile + t * d;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    float f;
-    std::memcpy(&f, &widened, sizeof f);
-    tile[i] = f;
+    for (int64_t i = 0; i < d; ++i) {
+      uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+      float f;
+      std::memcpy(&f, &widened, sizeof f);
+      dst[i] = f;
+    }
   }
-  return tile;
+  return {tile, d};
 }
 
 // exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^(x log2 e) split into an
@@ -101,7 +130,7 @@ struct Scratch {
     scores.resize(qh * s.block_size);
     max.resize(qh);
     sum.resize(qh);
-    tile.resize(s.heads_per_item * s.head_dim);
+    tile.resize(s.block_size * s.head_dim);  // one KV head's rows of one block, as fp32
   }
 };
 
@@ -147,30 +176,33 @@ void attend(const Shapes& s, Scratch& w, const q_t* query, q_t* out, const kv_t*
       prefetch_block(v_cache + block_start(b + 1), rows, row_stride, span * sizeof(kv_t));
     }
 
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = row_as_float(k_cache + base + t * row_stride, w.tile.data(), span);
-      for (int64_t h = 0; h < nq; ++h) w.scores[h * bs + t] = dot(&w.q[h * d], k + (h / g) * d, d);
-    }
-    // Online softmax, once per block: rescale what came before only when the max moved.
-    for (int64_t h = 0; h < nq; ++h) {
-      float* sc = &w.scores[h * bs];
-      const float block_max = *std::max_element(sc, sc + n);
-      const float new_max = std::max(w.max[h], block_max);
-      for (int64_t t = 0; t < n; ++t) sc[t] -= new_max;
-      exp_in_place(sc, n);
-      float block_sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) block_sum += sc[t];
-      if (new_max > w.max[h]) {
-        const float correction = std::exp(w.max[h] - new_max);  // 0 on the first block (max was -inf)
-        w.sum[h] *= correction;
-        scale_in_place(&w.acc[h * d], correction, d);
-        w.max[h] = new_max;
+    // One KV head at a time: its rows of the block widened into a tile (8 KB at D=128, in L1), then
+    // every query head of the group scored, its softmax moved on, and its output accumulated.
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      const int64_t head_off = base + kh * d;
+      const Rows k = rows_as_float(k_cache + head_off, n, row_stride, w.tile.data(), d);
+      for (int64_t h = kh * g; h < (kh + 1) * g; ++h) {
+        float* sc = &w.scores[h * bs];
+        for (int64_t t = 0; t < n; ++t) sc[t] = dot(&w.q[h * d], k.data + t * k.stride, d);
+        // Online softmax, once per block: rescale what came before only when the max moved.
+        const float block_max = *std::max_element(sc, sc + n);
+        const float new_max = std::max(w.max[h], block_max);
+        for (int64_t t = 0; t < n; ++t) sc[t] -= new_max;
+        exp_in_place(sc, n);
+        float block_sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) block_sum += sc[t];
+        if (new_max > w.max[h]) {
+          const float correction = std::exp(w.max[h] - new_max);  // 0 on the first block (max was -inf)
+          w.sum[h] *= correction;
+          scale_in_place(&w.acc[h * d], correction, d);
+          w.max[h] = new_max;
+        }
+        w.sum[h] += block_sum;
       }
-      w.sum[h] += block_sum;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = row_as_float(v_cache + base + t * row_stride, w.tile.data(), span);
-      for (int64_t h = 0; h < nq; ++h) axpy(&w.acc[h * d], w.scores[h * bs + t], v + (h / g) * d, d);
+      const Rows v = rows_as_float(v_cache + head_off, n, row_stride, w.tile.data(), d);
+      for (int64_t h = kh * g; h < (kh + 1) * g; ++h) {
+        accumulate(&w.acc[h * d], &w.scores[h * bs], v.data, v.stride, n, d);
+      }
     }
   }
   for (int64_t h = 0; h < nq; ++h) {
