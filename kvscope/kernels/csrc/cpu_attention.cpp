@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -111,6 +112,22 @@ inline void exp_in_place(float* x, int64_t n) {
   }
 }
 
+// Round to bf16 (nearest, ties to even) and back: torch's CPU flash attention in bf16 rounds the
+// softmax weights to bf16 for its P @ V product (their sum stays fp32), and the engine's bf16 tokens
+// are checked against transformers running that kernel; weights kept in fp32 drift further from it.
+inline void round_to_bf16(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], sizeof bits);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;  // weights are finite, in [0, 1]
+    std::memcpy(&x[i], &bits, sizeof bits);
+  }
+}
+
+template <typename q_t>
+constexpr bool kRoundWeights = std::is_same<q_t, c10::BFloat16>::value;  // as SDPA in the query's dtype
+
 struct Shapes {
   int64_t block_size, kv_heads, head_dim, group;  // group: query heads per KV head
   int64_t q_row_stride, q_head_stride, o_row_stride, o_head_stride;
@@ -191,6 +208,7 @@ void attend(const Shapes& s, Scratch& w, const q_t* query, q_t* out, const kv_t*
         exp_in_place(sc, n);
         float block_sum = 0.f;
         for (int64_t t = 0; t < n; ++t) block_sum += sc[t];
+        if (kRoundWeights<q_t>) round_to_bf16(sc, n);
         if (new_max > w.max[h]) {
           const float correction = std::exp(w.max[h] - new_max);  // 0 on the first block (max was -inf)
           w.sum[h] *= correction;
