@@ -15,7 +15,7 @@ VLLM_PKGS := vllm==0.33.0 cbor2==6.3.0 oss-harmony==0.0.11 pybase64==1.5.1 cache
 	fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6 opentelemetry-api==1.45.2 einops==0.8.2
 VLLM_STAMP := $(VENV)/.vllm-stamp
 
-.PHONY: install fetch demo test bench screenshots clean vllm
+.PHONY: install kernels fetch demo test bench screenshots clean vllm
 
 # Each phase says what it does; pip shows its own progress (downloads take a minute or more the first time).
 $(STAMP): pyproject.toml
@@ -46,11 +46,17 @@ $(VLLM_STAMP): $(STAMP) Makefile
 
 vllm: $(VLLM_STAMP)
 
-demo: $(STAMP)
+# The CPU attention kernel, compiled once per machine into ~/.cache/kvscope (a no-op afterwards), so
+# no engine start waits for the compiler; where it cannot build, the engine uses the torch reference.
+kernels: $(STAMP)
+	$(BIN)/python -m kvscope.kernels.cpu_attention
+
+demo: $(STAMP) kernels
 	$(BIN)/kvscope demo
 	$(PATH_HINT)
 
-# The real-model tests need SmolLM2-135M: fetched once into the model cache (a no-op afterwards).
+# The real-model tests need SmolLM2-135M: fetched once into the model cache (a no-op afterwards);
+# `kvscope fetch` builds the CPU attention kernel too.
 fetch: $(STAMP)
 	$(BIN)/kvscope fetch smollm2-135m
 

@@ -51,12 +51,15 @@ def test_windowed_checkpoints_on_triton_kernels_match_transformers(windowed_mode
     assert [o.token_ids for o in outs] == ref.greedy_all(prompts, 8)
 
 
-def test_selection_triton_on_cuda_references_elsewhere():
-    from kvscope.kernels import reference, select_attention_ops
+def test_selection_triton_on_cuda_the_paged_kernel_on_cpu_references_elsewhere(monkeypatch):
+    from kvscope.kernels import cpu_attention, reference, select_attention_ops
 
-    assert select_attention_ops("cpu").paged_attention is reference.paged_attention
+    assert select_attention_ops("cpu").paged_attention is cpu_attention.paged_attention
+    assert select_attention_ops("mps").paged_attention is reference.paged_attention
     cuda = select_attention_ops("cuda")
     assert cuda.name == "triton" and cuda.write_kv is triton_attention.write_kv
+    assert LLM("tiny", device="cpu", dtype="float32", num_blocks=8).engine.runner.ops.name == "cpu-paged"
+    monkeypatch.setenv("KVSCOPE_CPU_ATTENTION", "reference")
     assert LLM("tiny", device="cpu", dtype="float32", num_blocks=8).engine.runner.ops.name == "torch-reference"
 
 

@@ -65,8 +65,9 @@ def test_a_step_is_planned_once_for_all_its_layers(monkeypatch):
     real = reference._decode_group
     monkeypatch.setattr(reference, "_decode_group", lambda *a: built.append(a[1]) or real(*a))
     first = reference.paged_attention(query, k_cache, v_cache, meta, 0.25)
-    plan = meta._reference_plans[None]
+    groups, chunks = meta._reference_decode_plans[None], meta._reference_prefill_plans[None]
     assert built == [[0, 2]], "the two decodes go together, around the prefill between them"
     again = reference.paged_attention(query, k_cache * 2, v_cache, meta, 0.25)  # the next layer's K
-    assert built == [[0, 2]] and meta._reference_plans == {None: plan}, "the second layer reuses the plan"
-    assert not torch.equal(first, again) and [c.rows for c in plan.prefills] == [slice(1, 7)]
+    assert built == [[0, 2]], "the second layer reuses the plan"
+    assert meta._reference_decode_plans == {None: groups} and meta._reference_prefill_plans == {None: chunks}
+    assert not torch.equal(first, again) and [c.rows for c in chunks] == [slice(1, 7)]

@@ -1,6 +1,7 @@
 """`kvscope fetch`: download a named real model into the cache once (kvscope.engine.named_models), and
 convert it once into the form the engine reads directly (kvscope.engine.model_cache), so the first
-`kvscope demo --model NAME` starts as fast as every later one."""
+`kvscope demo --model NAME` starts as fast as every later one. It also compiles the CPU attention
+kernel for this machine (kvscope.kernels.cpu_attention), once, for the same reason."""
 
 from __future__ import annotations
 
@@ -38,5 +39,9 @@ class Fetch(Command):
             from kvscope.engine.models import load_model
 
             load_model(args.name, resolve_dtype(args.dtype, torch.device("cpu")), "cpu")  # converts, or checks
+        from kvscope.kernels import cpu_attention
+
+        if not cpu_attention.forced_reference():
+            cpu_attention.load()  # cached: a no-op; a failed build is a note, and the engine uses the reference
         print(path)
         return 0

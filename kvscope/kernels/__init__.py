@@ -17,7 +17,10 @@ class AttentionOps:
 
 
 def select_attention_ops(device_type: str) -> AttentionOps:
-    """Triton kernels on CUDA, torch references everywhere else.
+    """Triton kernels on CUDA; on a CPU the C++ kernel that reads the KV pages in place
+    (cpu_attention.py: compiled once per machine, here on first use where no cached build
+    exists); torch references where that did not build, with KVSCOPE_CPU_ATTENTION=reference,
+    and on any other device.
 
     The Triton modules are imported only here and only for CUDA, so the CPU path
     never imports triton (and tests can switch on its interpreter first).
@@ -26,6 +29,11 @@ def select_attention_ops(device_type: str) -> AttentionOps:
         from kvscope.kernels import triton_attention
 
         return AttentionOps("triton", triton_attention.write_kv, triton_attention.paged_attention)
+    if device_type == "cpu":
+        from kvscope.kernels import cpu_attention
+
+        if not cpu_attention.forced_reference() and cpu_attention.load() is not None:
+            return AttentionOps("cpu-paged", cpu_attention.write_kv, cpu_attention.paged_attention)
     return AttentionOps("torch-reference", reference.write_kv, reference.paged_attention)
 
 

@@ -42,12 +42,6 @@ class _Prefill:
     mask: torch.Tensor | None  # [qlen, span] bool; None: plain causal over the whole context
 
 
-@dataclass
-class _Plan:
-    decode_groups: list[_DecodeGroup]
-    prefills: list[_Prefill]
-
-
 def _block_ids(block_tables: torch.Tensor, span: int, bs: int, first_block: torch.Tensor | None) -> torch.Tensor:
     nb = -(-span // bs)
     if first_block is None:
@@ -59,25 +53,29 @@ def _block_ids(block_tables: torch.Tensor, span: int, bs: int, first_block: torc
     return ids.reshape(-1).long()
 
 
-def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device) -> _Plan:
-    """What every layer of this step does, worked out once (cached on the metadata, as the Triton path's is):
-    which decodes go together, which blocks each gathers, and the masks. Layers differ only in their K/V."""
-    plans = meta.__dict__.setdefault("_reference_plans", {})
+def _first_key(meta: AttentionMetadata, s: int, window: int | None) -> int:
+    """The block-aligned position of the first key any query of sequence s reads."""
+    if window is None:
+        return 0
+    start = meta.seq_lens_host[s] - meta.query_lens_host[s]  # first query position
+    return max(0, start - window + 1) // meta.block_size * meta.block_size
+
+
+def _decode_groups(meta: AttentionMetadata, window: int | None, dev: torch.device) -> list[_DecodeGroup]:
+    """Decodes: batched, in groups of similar span (context, or window, length).
+
+    Each step's plan (here and in _prefill_chunks) is worked out once and cached on the metadata, as the
+    Triton path's is: which decodes go together, which blocks each gathers, and the masks. Layers
+    differ only in their K/V."""
+    plans = meta.__dict__.setdefault("_reference_decode_plans", {})
     if window in plans:
         return plans[window]
     qsl = meta.query_start_loc.tolist()
-    bs = meta.block_size
     decodes = [s for s in range(meta.num_seqs) if meta.query_lens_host[s] == 1]
-    prefills = [s for s in range(meta.num_seqs) if meta.query_lens_host[s] > 1]
 
     def first_key(s: int) -> int:
-        """The block-aligned position of the first key any query of s reads."""
-        if window is None:
-            return 0
-        start = meta.seq_lens_host[s] - meta.query_lens_host[s]  # first query position
-        return max(0, start - window + 1) // bs * bs
+        return _first_key(meta, s, window)
 
-    # Decodes: batched, in groups of similar span (context, or window, length).
     groups = []
     span = {s: meta.seq_lens_host[s] - first_key(s) for s in decodes}
     decodes.sort(key=lambda s: span[s])
@@ -90,12 +88,23 @@ def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device) -> _Pl
             group.append(decodes.pop())
         group.sort()
         groups.append(_decode_group(meta, group, longest, qsl, first_key, window, dev))
+    plans[window] = groups
+    return groups
 
-    # Prefill chunks: one at a time, over the cached prefix (or its window) plus the causal chunk.
+
+def _prefill_chunks(meta: AttentionMetadata, window: int | None, dev: torch.device) -> list[_Prefill]:
+    """Prefill chunks: one at a time, over the cached prefix (or its window) plus the causal chunk."""
+    plans = meta.__dict__.setdefault("_reference_prefill_plans", {})
+    if window in plans:
+        return plans[window]
+    qsl = meta.query_start_loc.tolist()
+    bs = meta.block_size
     chunks = []
-    for s in prefills:
+    for s in range(meta.num_seqs):
+        if meta.query_lens_host[s] <= 1:
+            continue
         start, qlen, ctx = qsl[s], meta.query_lens_host[s], meta.seq_lens_host[s]
-        first = first_key(s)
+        first = _first_key(meta, s, window)
         first_block = torch.tensor([first // bs], device=dev) if first else None
         mask = None
         if not (ctx == qlen and window is None):
@@ -107,8 +116,8 @@ def _plan(meta: AttentionMetadata, window: int | None, dev: torch.device) -> _Pl
         chunks.append(_Prefill(slice(start, start + qlen),
                                _block_ids(meta.block_tables[s : s + 1], ctx - first, bs, first_block), ctx - first,
                                mask))
-    plans[window] = plan = _Plan(groups, chunks)
-    return plan
+    plans[window] = chunks
+    return chunks
 
 
 def _decode_group(meta: AttentionMetadata, group: list[int], longest: int, qsl: list[int], first_key,
@@ -147,10 +156,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Call after write_kv, so the new tokens' own K/V are in the cache.
     """
     out = torch.empty_like(query)
-    plan = _plan(meta, window, query.device)
     kvh, d = k_cache.shape[2], query.shape[2]
     g = query.shape[1] // kvh
-    for grp in plan.decode_groups:
+    for grp in _decode_groups(meta, window, query.device):
         rows = grp.visible.shape[0]
         k = _gather_blocks(k_cache, grp.block_ids, rows, grp.span).to(query.dtype)
         v = _gather_blocks(v_cache, grp.block_ids, rows, grp.span).to(query.dtype)
@@ -161,7 +169,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q = query[grp.rows].view(rows, kvh, g, d)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.visible, scale=scale)
         out[grp.rows] = o.reshape(rows, kvh * g, d)
-    for chunk in plan.prefills:
+    attend_prefills(query, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
+def attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None, out: torch.Tensor) -> None:
+    """paged_attention's rows of sequences with more than one query (prefill chunks), written into out.
+    Also used by the CPU kernel's path, which reads decodes in place but leaves chunks to SDPA."""
+    for chunk in _prefill_chunks(meta, window, query.device):
         k = _gather_blocks(k_cache, chunk.block_ids, 1, chunk.span).to(query.dtype)
         v = _gather_blocks(v_cache, chunk.block_ids, 1, chunk.span).to(query.dtype)
         q = query[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
@@ -170,4 +186,3 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[chunk.rows] = o[0].transpose(0, 1)
-    return out

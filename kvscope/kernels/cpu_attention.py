@@ -1,0 +1,194 @@
+"""Paged attention on the CPU whose decodes read the KV pages in place (csrc/cpu_attention.cpp).
+
+The C++ op is compiled on this machine the first time it is needed (or ahead, by `python -m
+kvscope.kernels.cpu_attention`, which `make demo`, `make test` and `kvscope fetch` run) into a
+cache folder named by a hash of the source, torch's version, the compiler flags and this CPU's
+feature flags: under $KVSCOPE_CACHE_DIR/extensions, else ~/.cache/kvscope/extensions (or
+$XDG_CACHE_HOME's). A cached build is loaded with torch.ops.load_library alone, without
+importing torch.utils.cpp_extension or running ninja. When the build fails (no compiler, no
+ninja), one line on stderr says so and load() returns None: the caller uses the torch reference.
+
+Signatures are reference.py's. Decode rows (query_len 1) go to the C++ op; prefill chunks stay
+on the reference's SDPA, which is good at many queries against many keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvscope.kernels import reference
+from kvscope.kernels.metadata import AttentionMetadata
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_attention.cpp")
+LIBRARY_NAME = "kvscope_cpu_attention"
+CHOICE_ENV = "KVSCOPE_CPU_ATTENTION"  # "reference" forces the torch reference
+CACHE_ENV = "KVSCOPE_CACHE_DIR"
+# Tried in order: this CPU's vector units at their full width (GCC otherwise keeps AVX-512 code to
+# 256 bits); the same where the compiler rejects the width flag (not x86); generic code last.
+FLAG_SETS = (
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+write_kv = reference.write_kv  # already one pass (index_copy into the pages)
+
+_loaded: str | None = None  # the library's path, once loaded in this process
+_failed: str | None = None  # why the build failed, once it has (not tried again in this process)
+
+
+def forced_reference() -> bool:
+    return os.environ.get(CHOICE_ENV, "").strip().lower() == "reference"
+
+
+def cache_root() -> str:
+    if os.environ.get(CACHE_ENV):
+        return os.path.join(os.path.abspath(os.path.expanduser(os.environ[CACHE_ENV])), "extensions")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvscope", "extensions")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: -march=native builds for them, so another CPU needs another build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + " " + platform.processor()
+
+
+def build_dir(flags: list[str]) -> str:
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    for part in (torch.__version__, " ".join(flags), _cpu_flags(), sys.platform):
+        h.update(b"\0" + part.encode())
+    return os.path.join(cache_root(), f"cpu_attention-{h.hexdigest()[:16]}")
+
+
+def _library_path(folder: str) -> str:
+    return os.path.join(folder, LIBRARY_NAME + ".so")
+
+
+def _done_marker(folder: str) -> str:
+    return os.path.join(folder, "built-ok")  # written after a build loaded: a half-written .so is never used
+
+
+def _note(message: str) -> None:
+    print(f"kvscope: {message}", file=sys.stderr, flush=True)
+
+
+def _compile(folder: str, flags: list[str]) -> str:
+    from torch.utils import cpp_extension  # slow to import: only when compiling
+
+    os.makedirs(folder, exist_ok=True)
+    cpp_extension.load(name=LIBRARY_NAME, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       build_directory=folder, is_python_module=False, verbose=False)
+    return _library_path(folder)
+
+
+def load(build: bool = True) -> str | None:
+    """The op's library, loaded into this process: from the cache, else compiled now (when `build`).
+    None where it cannot be had; a failed build is noted once on stderr and not retried."""
+    global _loaded, _failed
+    if _loaded is not None:
+        return _loaded
+    if _failed is not None:
+        return None
+    for flags in FLAG_SETS:  # a cached build of either flag set
+        folder = build_dir(flags)
+        if os.path.exists(_done_marker(folder)) and os.path.exists(_library_path(folder)):
+            torch.ops.load_library(_library_path(folder))
+            _loaded = _library_path(folder)
+            return _loaded
+    if not build:
+        return None
+    _note("compiling the CPU attention kernel once for this machine (about a minute; cached afterwards)")
+    errors = []
+    t0 = time.perf_counter()
+    for flags in FLAG_SETS:
+        folder = build_dir(flags)
+        try:
+            path = _compile(folder, flags)
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the reference
+            errors.append(_first_line(e))
+            continue
+        with open(_done_marker(folder), "w") as f:
+            f.write(" ".join(flags) + "\n")
+        _loaded = path
+        _note(f"CPU attention kernel built in {time.perf_counter() - t0:.0f} s ({folder})")
+        return _loaded
+    _failed = errors[-1] if errors else "unknown error"
+    _note(f"the CPU attention kernel did not build ({_failed}); using the torch reference attention")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower()] or text.splitlines() or [type(e).__name__]
+    return lines[0][:200]
+
+
+@dataclass
+class _DecodePlan:
+    seq_ids: torch.Tensor  # [n] int64: the sequences with one query this step
+    rows: torch.Tensor  # [n] int64: their query rows
+    has_prefills: bool
+    block_tables: torch.Tensor  # int32, contiguous
+    seq_lens: torch.Tensor  # int32, contiguous
+
+
+def _decode_plan(meta: AttentionMetadata) -> _DecodePlan:
+    """Worked out once per step (cached on the metadata) and shared by every layer."""
+    plan = meta.__dict__.get("_cpu_decode_plan")
+    if plan is None:
+        decodes = [s for s in range(meta.num_seqs) if meta.query_lens_host[s] == 1]
+        qsl = meta.query_start_loc.tolist()
+        plan = _DecodePlan(torch.tensor(decodes, dtype=torch.long), torch.tensor([qsl[s] for s in decodes],
+                                                                                 dtype=torch.long),
+                           len(decodes) < meta.num_seqs, meta.block_tables.to(torch.int32).contiguous(),
+                           meta.seq_lens.to(torch.int32).contiguous())
+        meta.__dict__["_cpu_decode_plan"] = plan
+    return plan
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """reference.paged_attention's semantics; decode rows computed by the C++ op over the pages in place."""
+    if (query.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or query.device.type != "cpu"
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        return reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    plan = _decode_plan(meta)
+    out = torch.empty(query.shape, dtype=query.dtype)  # contiguous: the caller's reshape is then a view
+    if plan.seq_ids.numel():
+        torch.ops.kvscope.paged_decode_attention(query, out, k_cache, v_cache, plan.block_tables, plan.seq_lens,
+                                                 plan.seq_ids, plan.rows, scale, window or 0)
+    if plan.has_prefills:
+        reference.attend_prefills(query, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
+def main() -> int:
+    """Build (or find) the kernel ahead of the first start; exit 0 either way (the engine falls back)."""
+    if forced_reference():
+        print(f"{CHOICE_ENV}=reference: nothing to build")
+        return 0
+    path = load()
+    print(path if path else "the torch reference attention will be used")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
