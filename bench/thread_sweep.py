@@ -6,7 +6,7 @@
 
 --threads takes counts and `auto` (no --cpu-threads: the runner picks online, kvscope/engine/cpu_threads.py),
 each optionally with an OpenMP wait policy for its runs: `2:ACTIVE` is --cpu-threads 2 under OMP_WAIT_POLICY=ACTIVE
-(without one, the runs keep kvscope's own choice, PASSIVE unless the environment sets it), and `2:PASSIVE:fixed`
+or `2:spin20000` under GOMP_SPINCOUNT=20000 (without one, the runs keep kvscope's own choice), and `2:PASSIVE:fixed`
 also sets KVSCOPE_FIXED_THREADS=1 (exactly 2 threads: the explicit count's tuner off).
 --competitor runs every row twice per round, quiet and beside one CPU-bound busy-loop process, interleaved
 (quiet t=1, loaded t=1, quiet t=2, loaded t=2, ... in one run), so both conditions see the same drift; the
@@ -65,7 +65,9 @@ def _env(n) -> dict:
     _, policy, fixed = (str(n).split(":") + ["", ""])[:3]
     env = dict(ENV)
     env.pop("KVSCOPE_FIXED_THREADS", None)
-    if policy:
+    if policy.lower().startswith("spin"):  # 2:spin20000: libgomp spins that many rounds, then sleeps
+        env["GOMP_SPINCOUNT"] = policy[4:]
+    elif policy:
         env["OMP_WAIT_POLICY"] = policy
     if fixed == "fixed":
         env["KVSCOPE_FIXED_THREADS"] = "1"

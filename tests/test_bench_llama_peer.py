@@ -67,3 +67,40 @@ def test_the_16_bit_llama_cpp_peers_and_the_weights_column():
     lines = rows_table(result).splitlines()
     assert lines[1].split()[-1] == "weights/token"
     assert lines[3].endswith("269 MB") and lines[4].endswith("97 MB") and lines[5].endswith("-")
+
+
+def test_llama_cpp_runs_under_the_users_openmp_settings_not_kvscopes(monkeypatch):
+    """kvscope's passive wait (its earlier choice) made llama.cpp 3x slower in kvscope's own process: its child
+    gets the user's environment, with what kvscope set for itself taken out and what the user set kept."""
+    from kvscope import openmp_wait
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(openmp_wait, "_set_here", set())
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as before torch loads
+    openmp_wait.prefer_short_spin_wait()
+    assert __import__("os").environ["GOMP_SPINCOUNT"] == openmp_wait.SPIN_COUNT
+    assert "GOMP_SPINCOUNT" not in openmp_wait.user_environment()
+    monkeypatch.setattr(openmp_wait, "_set_here", set())
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice is theirs everywhere
+    openmp_wait.prefer_short_spin_wait()
+    assert openmp_wait.user_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in openmp_wait.user_environment()
+
+
+def test_the_llama_cpp_child_serves_one_at_a_time_and_reports_its_times():
+    """The child's own loop (serve_all) on a stand-in for Llama.generate: TTFT, ITL and tokens per request."""
+    from kvscope.bench.llama_peer import serve_all
+
+    class FakeLlama:
+        def reset(self):
+            pass
+
+        def generate(self, prompt, **kw):
+            while True:
+                yield 7
+
+    out = serve_all(FakeLlama(), [([1, 2], 3), ([3], 2)])
+    assert out["tokens"] == 5 and len(out["ttft"]) == 2 and len(out["itl"]) == 3
+    assert out["ttft"][0] <= out["ttft"][1] <= out["span"]

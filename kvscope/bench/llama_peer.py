@@ -10,11 +10,19 @@ with AVX-512; on the project's earlier AVX2-only machines it crashed with a segf
 Greedy (top_k=1), EOS ignored so every request runs to its max_tokens, as kvscope's rows do. TTFT is
 from the start of the run (every request arrives at t=0, so it includes the queue, as kvscope's TTFT
 does); ITL is the gap between a request's successive tokens.
+
+It runs in a child process (`python -m kvscope.bench.llama_peer`, requests as JSON on stdin, its times as
+JSON on stdout) under the user's own environment: kvscope sets OMP_WAIT_POLICY=PASSIVE for itself
+(kvscope/openmp_wait.py), OpenMP reads it once per process, and llama.cpp, which meets its threads at a
+barrier after every op, decoded SmolLM2 3x slower under it in kvscope's process (37 ms a token against 13).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 from kvscope.bench.harness import Row
@@ -72,21 +80,34 @@ def llama_cpp_row(config: EngineConfig, items, threads: int, sixteen_bit: str | 
     if sixteen_bit is not None:
         path = sixteen_bit_copy(path, sixteen_bit)
     n_ctx = max(len(it.prompt) + it.max_tokens for it in items) + 8
-    llm = load_llama(path, threads, n_ctx)
+    job = {"path": path, "threads": threads, "n_ctx": n_ctx,
+           "requests": [[list(it.prompt), it.max_tokens] for it in items]}
+    from kvscope.openmp_wait import user_environment
+
+    proc = subprocess.run([sys.executable, "-m", "kvscope.bench.llama_peer"], input=json.dumps(job), text=True,
+                          capture_output=True, env=user_environment())
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise KvscopeError(f"peer {NAME} failed on {os.path.basename(path)}: {last}")
+    out = json.loads(proc.stdout)
+    return Row.from_samples(f"{NAME}-{sixteen_bit}" if sixteen_bit else NAME, out["ttft"], out["itl"], out["tokens"],
+                            out["span"], threads=threads, gguf=os.path.basename(path),
+                            weights_mb_per_token=weight_bytes_per_token(path) / 1e6)
+
+
+def serve_all(llm, requests: list[tuple[list[int], int]]) -> dict:
+    """In the child: every request one at a time, after a warm-up; TTFT from the start of the run."""
     _serve_one(llm, [1, 2, 3], 2)  # warm-up, as kvscope's rows get one
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
     start = time.perf_counter()
-    for it in items:
-        times = _serve_one(llm, it.prompt, it.max_tokens)
+    for prompt, max_tokens in requests:
+        times = _serve_one(llm, prompt, max_tokens)
         ttft.append(times[0] - start)
         itl.extend(b - a for a, b in zip(times, times[1:]))
         tokens += len(times)
-    span = time.perf_counter() - start
-    return Row.from_samples(f"{NAME}-{sixteen_bit}" if sixteen_bit else NAME, ttft, itl, tokens, span,
-                            threads=threads, gguf=os.path.basename(path),
-                            weights_mb_per_token=weight_bytes_per_token(path) / 1e6)
+    return {"ttft": ttft, "itl": itl, "tokens": tokens, "span": time.perf_counter() - start}
 
 
 def _serve_one(llm, prompt: list[int], max_tokens: int) -> list[float]:
@@ -98,3 +119,14 @@ def _serve_one(llm, prompt: list[int], max_tokens: int) -> list[float]:
         if len(times) >= max_tokens:
             break
     return times
+
+
+def _child() -> int:
+    job = json.loads(sys.stdin.read())
+    llm = load_llama(job["path"], int(job["threads"]), int(job["n_ctx"]))
+    json.dump(serve_all(llm, [(list(p), int(n)) for p, n in job["requests"]]), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

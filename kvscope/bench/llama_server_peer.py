@@ -87,9 +87,11 @@ class _Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "_Server":
-        try:
+        from kvscope.openmp_wait import user_environment
+
+        try:  # under the user's own OpenMP settings, not the passive wait kvscope chose for itself
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, env=user_environment())
         except OSError as e:
             raise KvscopeError(f"peer {NAME}: cannot run {self.command[0]}: {e.strerror}") from None
         self._wait_healthy()

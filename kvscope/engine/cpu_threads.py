@@ -36,7 +36,7 @@ the competitor leaves it goes back to N at once. Issue 42 measured a fixed 2 thr
 busy loop at 637-733 tok/s against 1,092-2,024 on one thread; the passive wait alone recovered part
 of it. KVSCOPE_FIXED_THREADS=1 keeps the old meaning (exactly N, always), for measurements of N itself.
 
-Idle torch threads also sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, set before torch is
+Idle torch threads also spin only briefly before they sleep (GOMP_SPINCOUNT=20000, set before torch is
 imported unless the user set it, kvscope/openmp_wait.py: by the command line's package before any command runs, and by the
 model backend for library use), so a waiting thread does not take a core from the competitor.
 """

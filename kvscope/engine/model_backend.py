@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvscope.openmp_wait import prefer_passive_wait
+from kvscope.openmp_wait import prefer_short_spin_wait
 
-prefer_passive_wait()  # idle OpenMP threads sleep: must be decided before torch loads libgomp
+prefer_short_spin_wait()  # idle OpenMP threads spin briefly, then sleep: must be decided before torch loads libgomp
 
 import torch  # noqa: E402
 
