@@ -1,10 +1,12 @@
-"""OpenMP's wait policy, decided before torch loads libgomp (it reads OMP_WAIT_POLICY once, then).
+"""OpenMP's wait policy, decided before torch loads libgomp (it reads OMP_WAIT_POLICY and GOMP_SPINCOUNT
+once, then).
 
 kvscope's threads spin briefly at a barrier, then sleep (GOMP_SPINCOUNT=20000, about a millisecond):
 libgomp's default spins far longer and takes a core from any process beside it, and a passive wait
 (no spin) made every op of a decode step wake its peer through the kernel, 1.75x slower for one
-chat stream on 2 threads (docs/CPU.md, bench/results/threads-wait-spin-*.json). Its own module, light and outside the engine, so the command line can set it first
-thing without importing the engine (`kvscope diagnose --no-what-if` loads no engine and no torch).
+chat stream on 2 threads (docs/CPU.md, bench/results/threads-wait-spin-*.json). Its own module, light
+and outside the engine, so the command line can set it first thing without importing the engine
+(`kvscope diagnose --no-what-if` loads no engine and no torch).
 """
 
 from __future__ import annotations
@@ -14,10 +16,8 @@ import sys
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 SPIN_COUNT_VAR = "GOMP_SPINCOUNT"
+SPIN_COUNT = "20000"  # rounds of libgomp's spin loop, about a millisecond here; its default is 300000
 _set_here: set[str] = set()  # the variables this process set, not the user: a peer's child gets the user's own
-
-
-SPIN_COUNT = "20000"
 
 
 def prefer_short_spin_wait() -> None:

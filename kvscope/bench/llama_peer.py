@@ -12,9 +12,10 @@ from the start of the run (every request arrives at t=0, so it includes the queu
 does); ITL is the gap between a request's successive tokens.
 
 It runs in a child process (`python -m kvscope.bench.llama_peer`, requests as JSON on stdin, its times as
-JSON on stdout) under the user's own environment: kvscope sets OMP_WAIT_POLICY=PASSIVE for itself
-(kvscope/openmp_wait.py), OpenMP reads it once per process, and llama.cpp, which meets its threads at a
-barrier after every op, decoded SmolLM2 3x slower under it in kvscope's process (37 ms a token against 13).
+JSON on stdout) under the user's own environment, not the OpenMP wait kvscope chose for itself
+(kvscope/openmp_wait.py): OpenMP reads it once per process, and llama.cpp, which meets its threads at a
+barrier after every op, decoded SmolLM2 3x slower in kvscope's process under its earlier passive wait
+(37 ms a token against 13).
 """
 
 from __future__ import annotations

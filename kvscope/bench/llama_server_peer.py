@@ -89,7 +89,7 @@ class _Server:
     def __enter__(self) -> "_Server":
         from kvscope.openmp_wait import user_environment
 
-        try:  # under the user's own OpenMP settings, not the passive wait kvscope chose for itself
+        try:  # under the user's own OpenMP settings, not the wait kvscope chose for itself
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
                                          stderr=subprocess.STDOUT, env=user_environment())
         except OSError as e:
