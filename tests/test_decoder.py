@@ -10,6 +10,8 @@ import torch
 from conftest import save_checkpoint, token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.decoder import FORCE_ENV, PagedDecoder
+from kvscope.engine.native_layers import CHOICE_ENV as LAYERS_ENV
+from kvscope.kernels import cpu_attention
 
 # each layout the decoder accepts: llama (no bias), qwen2 (q/k/v bias), qwen3 (q/k norms, one layer slides),
 # mistral (every layer slides); 4 query heads over 2 KV heads
@@ -28,11 +30,29 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
             for name, (cfg, cls, extra) in LAYOUTS.items()}
 
 
+class _Counted:
+    """Counts the steps the C++ layer loop ran (it returns None for a step with a prefill row)."""
+
+    def __init__(self, native) -> None:
+        self.native, self.steps = native, 0
+
+    def run(self, *args):
+        out = self.native.run(*args)
+        self.steps += out is not None
+        return out
+
+
+def _native_available() -> bool:
+    return not cpu_attention.forced_reference() and cpu_attention.load() is not None
+
+
 def _compare_every_step(llm: LLM) -> list[int]:
     """Wrap the runner's forward: run transformers' forward too and demand the same bits. Returns the
     number of rows compared per step."""
     runner = llm.engine.runner
     decoder = runner.decoder
+    if decoder.native is not None:
+        decoder.native = _Counted(decoder.native)
     original = runner._forward
     rows = []
 
@@ -66,6 +86,33 @@ def test_logits_are_transformers_bits_at_every_step(checkpoints, name, dtype):
     rows = _compare_every_step(llm)
     llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(rows) > 10 and max(rows) > 1, "several steps, some with several sampled rows"
+    if _native_available():  # decode-only steps ran their layers in one C++ call, with the same bits
+        assert runner.decoder.native.steps >= 5
+
+
+def test_decode_steps_run_their_layers_in_one_cpp_call(checkpoints, monkeypatch):
+    if not _native_available():
+        pytest.skip("the CPU kernels did not build on this machine")
+    prompts = token_prompts([7, 30], 300, seed=8)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = LLM(checkpoints["qwen3-hybrid-w20"], device="cpu", dtype="bfloat16", mode="chunked")
+    decoder = llm.engine.runner.decoder
+    assert decoder.native is not None and llm.engine.runner.forward_name == "kvscope decoder"
+    decoder.native = _Counted(decoder.native)
+    native = llm.generate(prompts, params)
+    assert decoder.native.steps == 15, "every step after the prompts' prefill step is decode-only"
+    monkeypatch.setenv(LAYERS_ENV, "python")
+    llm = LLM(checkpoints["qwen3-hybrid-w20"], device="cpu", dtype="bfloat16", mode="chunked")
+    assert llm.engine.runner.decoder.native is None
+    assert llm.engine.runner.forward_name == f"kvscope decoder, layers in Python ({LAYERS_ENV}=python)"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in native]
+
+
+def test_reference_attention_keeps_the_python_layers(checkpoints, monkeypatch):
+    monkeypatch.setenv(cpu_attention.CHOICE_ENV, "reference")
+    llm = LLM(checkpoints["llama"], device="cpu", dtype="float32")
+    assert llm.engine.runner.decoder.native is None
+    assert llm.engine.runner.forward_name == "kvscope decoder, layers in Python (the CPU kernels are not loaded)"
 
 
 def test_the_fused_projections_are_used(checkpoints):

@@ -73,13 +73,14 @@ def test_the_light_model_holds_transformers_weights_and_rotary_tables(cache, tie
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_an_engine_on_the_light_model_gives_transformers_greedy_tokens(cache, tied, monkeypatch):
-    from kvscope.engine import LLM, SamplingParams
-    from kvscope.engine import models
+    from kvscope.engine import LLM, SamplingParams, model_backend, models
 
     light = cached(cache, llama(tied))
     reference = HFReference(transformers_reading(cache))
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: models._loaded(light, None, frozenset({2}), "light"))
-    monkeypatch.setattr("kvscope.engine.model_backend.load_model", models.load_model)
+    # model_backend imported before either patch: imported after, it would bind the patched loader for good
+    load_light = lambda *a, **k: models._loaded(light, None, frozenset({2}), "light")  # noqa: E731
+    monkeypatch.setattr(models, "load_model", load_light)
+    monkeypatch.setattr(model_backend, "load_model", load_light)
     prompts = token_prompts([3, 17, 40], 300, seed=5)
     llm = LLM("light", device="cpu", dtype="bfloat16", mode="chunked", max_num_batched_tokens=16)
     assert llm.engine.runner.forward_name == "kvscope decoder"

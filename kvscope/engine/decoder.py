@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvscope.engine.attention import WINDOW_ATTR
 from kvscope.engine.cpu_linear import fused_of
+from kvscope.engine.native_layers import NativeLayers
 from kvscope.kernels import AttentionMetadata, AttentionOps
 
 # transformers' classes whose forward is exactly the pre-norm llama block this file computes
@@ -82,6 +83,15 @@ class PagedDecoder:
         self.layers = layers
         self.q_size, self.kv_size, self.head_dim, self.intermediate = q_size, kv_size, head_dim, intermediate
         self.final_norm = _norm(self.body.norm)
+        # decode-only steps: the same layer loop as one C++ call, where the CPU kernels are loaded
+        self.native, self.native_why = NativeLayers.build(layers, q_size, kv_size, head_dim, intermediate)
+
+    @property
+    def name(self) -> str:
+        """For the start-up line; it says so where decode steps cannot run their layers in one C++ call."""
+        if self.native is not None:
+            return "kvscope decoder"
+        return f"kvscope decoder, layers in Python ({self.native_why})"
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> tuple[PagedDecoder | None, str]:
@@ -139,6 +149,10 @@ class PagedDecoder:
         t, d = h.shape[0], self.head_dim
         half = d // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        if self.native is not None and ops.name == "cpu-paged":
+            out = self.native.run(h, cos, signed_sin, kv_cache, meta)
+            if out is not None:
+                return self.model.lm_head(self.final_norm(out[keep]))
         for layer in self.layers:
             q, k, v = self._qkv(layer, layer.input_norm(h), cos, signed_sin)
             k_cache, v_cache = kv_cache[layer.index]

@@ -52,7 +52,7 @@ class ModelRunner:
         # On a CPU the written-out forward (decoder.py) runs the same operations with far fewer calls;
         # CUDA keeps transformers' forward, which its captured graphs replay.
         self.decoder, why = PagedDecoder.build(self.model) if device.type == "cpu" else (None, "CUDA graphs")
-        self.forward_name = "kvscope decoder" if self.decoder is not None else f"transformers ({why})"
+        self.forward_name = self.decoder.name if self.decoder is not None else f"transformers ({why})"
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         inputs = self.inputs.build(out)

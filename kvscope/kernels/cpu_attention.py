@@ -25,7 +25,9 @@ import torch
 from kvscope.kernels import reference
 from kvscope.kernels.metadata import AttentionMetadata
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_attention.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# one library: the attention op, and the decode step's layers that call it (cpu_decoder.cpp)
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("cpu_attention.cpp", "cpu_decoder.cpp"))
 LIBRARY_NAME = "kvscope_cpu_attention"
 CHOICE_ENV = "KVSCOPE_CPU_ATTENTION"  # "reference" forces the torch reference
 CACHE_ENV = "KVSCOPE_CACHE_DIR"
@@ -71,8 +73,9 @@ def _cpu_flags() -> str:
 
 def build_dir(flags: list[str]) -> str:
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
     for part in (torch.__version__, " ".join(flags), _cpu_flags(), sys.platform):
         h.update(b"\0" + part.encode())
     return os.path.join(cache_root(), f"cpu_attention-{h.hexdigest()[:16]}")
@@ -94,7 +97,7 @@ def _compile(folder: str, flags: list[str]) -> str:
     from torch.utils import cpp_extension  # slow to import: only when compiling
 
     os.makedirs(folder, exist_ok=True)
-    cpp_extension.load(name=LIBRARY_NAME, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name=LIBRARY_NAME, sources=list(SOURCES), extra_cflags=flags, extra_ldflags=["-fopenmp"],
                        build_directory=folder, is_python_module=False, verbose=False)
     return _library_path(folder)
 
@@ -142,7 +145,7 @@ def _first_line(e: BaseException) -> str:
 
 
 @dataclass
-class _DecodePlan:
+class DecodePlan:
     seq_ids: torch.Tensor  # [n] int64: the sequences with one query this step
     rows: torch.Tensor  # [n] int64: their query rows
     has_prefills: bool
@@ -150,13 +153,13 @@ class _DecodePlan:
     seq_lens: torch.Tensor  # int32, contiguous
 
 
-def _decode_plan(meta: AttentionMetadata) -> _DecodePlan:
+def decode_plan(meta: AttentionMetadata) -> DecodePlan:
     """Worked out once per step (cached on the metadata) and shared by every layer."""
     plan = meta.__dict__.get("_cpu_decode_plan")
     if plan is None:
         decodes = [s for s in range(meta.num_seqs) if meta.query_lens_host[s] == 1]
         qsl = meta.query_start_loc.tolist()
-        plan = _DecodePlan(torch.tensor(decodes, dtype=torch.long), torch.tensor([qsl[s] for s in decodes],
+        plan = DecodePlan(torch.tensor(decodes, dtype=torch.long), torch.tensor([qsl[s] for s in decodes],
                                                                                  dtype=torch.long),
                            len(decodes) < meta.num_seqs, meta.block_tables.to(torch.int32).contiguous(),
                            meta.seq_lens.to(torch.int32).contiguous())
@@ -170,7 +173,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if (query.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES or query.device.type != "cpu"
             or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
         return reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
-    plan = _decode_plan(meta)
+    plan = decode_plan(meta)
     out = torch.empty(query.shape, dtype=query.dtype)  # contiguous: the caller's reshape is then a view
     if plan.seq_ids.numel():
         torch.ops.kvscope.paged_decode_attention(query, out, k_cache, v_cache, plan.block_tables, plan.seq_lens,

@@ -1,0 +1,137 @@
+// A decode step's decoder layers in one call: decoder.py's per-layer forward, op for op, from C++.
+//
+// At SmolLM2's size (30 layers of width 576) a one-token step is about 1,900 torch calls, and from
+// Python each costs microseconds of argument parsing and dispatch before any arithmetic: that host
+// work was a third of a single-stream step. Here the same ATen operations run in the same order on
+// the same dtypes (so the bits are decoder.py's, which are transformers'), called from C++: the
+// Python layer is crossed once per step instead of once per operation. The packed GEMMs are oneDNN's
+// (mkldnn::_linear_pointwise, as cpu_linear.py calls them) and attention is
+// kvscope::paged_decode_attention (cpu_attention.cpp), both through the dispatcher so torch's
+// profiler still names them.
+//
+// Decode rows only (one query per sequence): a step with a prefill chunk runs decoder.py's Python
+// loop, whose attention also covers prefills.
+//
+// Registered as kvscope::decode_layers.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// The weights of one layer, in the order decoder.py's NativeLayers flattens them.
+constexpr int64_t kWeightsPerLayer = 6;   // input norm, qkv, o, post norm, gate_up, down
+constexpr int64_t kOptionalPerLayer = 6;  // qkv, o, gate_up, down biases; q norm, k norm (Qwen3)
+constexpr int64_t kEpsPerLayer = 4;       // input norm, post norm, q norm, k norm
+
+// y = x W^T + b on a weight packed by cpu_linear.py.
+Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  static const c10::IValue none_attr(std::string("none"));
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(none_attr);
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return std::move(stack[0]).toTensor();
+}
+
+// decoder.py's Norm: transformers' llama RMSNorm, in float32, then weight times the input dtype's rounding.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+// decoder.py's _rope: x * cos + rotate_half(x) * sin, with rotate_half as a roll and sin's first half negated.
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
+  return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
+}
+
+void paged_attention(const Tensor& q, Tensor& out, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& block_tables, const Tensor& seq_lens, const Tensor& seq_ids, const Tensor& rows,
+                     double scale, int64_t window) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvscope::paged_decode_attention", "")
+          .typed<void(const Tensor&, Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                      const Tensor&, const Tensor&, double, int64_t)>();
+  op.call(q, out, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scale, window);
+}
+
+// hidden [T, width] after the embedding -> hidden after the last layer (before the final norm).
+Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& signed_sin, const Tensor& kv_cache,
+                     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
+                     const Tensor& seq_ids, const Tensor& rows, at::TensorList weights,
+                     const c10::List<std::optional<Tensor>>& optional, at::ArrayRef<double> eps,
+                     at::ArrayRef<double> scaling, at::IntArrayRef windows, int64_t q_size, int64_t kv_size,
+                     int64_t head_dim, int64_t intermediate) {
+  const int64_t layers = static_cast<int64_t>(scaling.size());
+  TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, width]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
+                  static_cast<int64_t>(optional.size()) == layers * kOptionalPerLayer &&
+                  static_cast<int64_t>(eps.size()) == layers * kEpsPerLayer &&
+                  static_cast<int64_t>(windows.size()) == layers,
+              "decode_layers: per-layer lists of unequal lengths");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) >= layers && kv_cache.is_contiguous(),
+              "decode_layers: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous");
+  TORCH_CHECK(q_size % head_dim == 0 && kv_size % head_dim == 0, "decode_layers: sizes not in whole heads");
+  const int64_t t = hidden.size(0), d = head_dim, heads = q_size / d, kv_heads = kv_size / d;
+  Tensor h = hidden;
+  for (int64_t i = 0; i < layers; ++i) {
+    const Tensor* w = &weights[i * kWeightsPerLayer];
+    auto opt = [&](int64_t j) -> std::optional<Tensor> { return optional.get(i * kOptionalPerLayer + j); };
+    const double* e = &eps[i * kEpsPerLayer];
+    const std::optional<Tensor> q_norm = opt(4), k_norm = opt(5);
+
+    const Tensor qkv = packed_linear(rms_norm(h, w[0], e[0]), w[1], opt(0));
+    Tensor q, k, v;
+    if (!q_norm.has_value()) {  // q and k side by side in the fused output: one rotary pass for both
+      const Tensor qk = rope(qkv.slice(1, 0, q_size + kv_size).view({t, -1, d}), cos, signed_sin);
+      q = qk.slice(1, 0, heads);
+      k = qk.slice(1, heads);
+    } else {
+      q = rope(rms_norm(qkv.slice(1, 0, q_size).view({t, -1, d}), *q_norm, e[2]), cos, signed_sin);
+      k = rope(rms_norm(qkv.slice(1, q_size, q_size + kv_size).view({t, -1, d}), *k_norm, e[3]), cos,
+               signed_sin);
+    }
+    v = qkv.slice(1, q_size + kv_size).view({t, -1, d});
+
+    const Tensor layer_cache = kv_cache.select(0, i);
+    const Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+    k_cache.view({-1, kv_heads, d}).index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
+    v_cache.view({-1, kv_heads, d}).index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
+    Tensor attn = at::empty(q.sizes(), q.options());
+    paged_attention(q, attn, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scaling[i], windows[i]);
+
+    h = h + packed_linear(attn.reshape({t, -1}), w[2], opt(1));
+    const Tensor gate_up = packed_linear(rms_norm(h, w[3], e[1]), w[4], opt(2));
+    const auto parts = gate_up.split_with_sizes({intermediate, intermediate}, -1);
+    h = h + packed_linear(at::silu(parts[0]) * parts[1], w[5], opt(3));
+  }
+  return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("decode_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor[] weights, "
+        "Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
+        "int head_dim, int intermediate) -> Tensor");
+}
+
+// The packed weights are oneDNN tensors (dispatch key MkldnnCPU), which outrank CPU in dispatch.
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(kvscope, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
