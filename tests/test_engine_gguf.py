@@ -186,3 +186,54 @@ def test_greedy_under_vllm_scheduler_with_preemption_and_prefix_caching(smollm2,
     check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
     assert llm.engine.num_preemptions > 0, "the tight cache was meant to force preemption"
     assert llm.engine.scheduler.events.hit_tokens > 0, "the template's shared system prompt was meant to hit"
+
+
+@pytest.mark.parametrize("settings", [dict(mode="chunked", num_blocks=64, max_num_batched_tokens=48),
+                                      dict(mode="chunked", block_size=8, num_blocks=9, max_num_batched_tokens=32)],
+                         ids=["chunked", "preempted"])
+def test_greedy_on_the_gguf_blocks_matches_transformers(smollm2, smollm2_path, chat_prompts, settings):
+    """--quantization gguf: the linear layers multiply the file's Q4_1 blocks (and its Q8_0 lm_head) in place; the
+    weights are transformers' dequantized ones, so in float32 only the summation order differs."""
+    _, ref = smollm2
+    llm = real_llm(smollm2_path, quantization="gguf", **settings)
+    runner = llm.engine.runner
+    assert runner.forward_name.startswith("kvscope decoder, linear layers on GGUF blocks")
+    assert "Q4_1 blocks, lm_head on its Q8_0" in llm.engine.loaded.linear_note
+    if runner.decoder.native is not None:
+        from test_decoder import _Counted
+
+        runner.decoder.native = _Counted(runner.decoder.native)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    check_equal(outs, ref.greedy_all(chat_prompts, MAX_TOKENS), chat_prompts)
+    if settings["num_blocks"] == 9:
+        assert llm.engine.num_preemptions > 0, "the tight cache was meant to force preemption"
+    if runner.decoder.native is not None:
+        assert runner.decoder.native.steps > 0, "decode-only steps run the C++ layers on the blocks"
+
+
+def test_gguf_blocks_in_bf16_stay_beside_the_dequantized_model(smollm2_path, chat_prompts):
+    """In bf16 the blocks widen to the bf16 weights the dequantized model holds; the logits of a prompt differ from
+    the dense model's by summation order only."""
+    prompt = chat_prompts[0]
+    logits = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", num_blocks=64, quantization=quantization)
+        runner = llm.engine.runner
+        seen = []
+        original = runner._forward
+
+        def keep(out, original=original, seen=seen):
+            got = original(out)
+            seen.append(got.float())
+            return got
+
+        runner._forward = keep
+        llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+        logits[quantization] = seen
+    assert len(logits[None]) == len(logits["gguf"]) >= 2
+    for dense_step, blocks_step in zip(logits[None], logits["gguf"]):
+        diff = (dense_step - blocks_step).abs().max().item()
+        assert diff <= 0.02 * dense_step.abs().max().item()
+        for row, (want, got) in enumerate(zip(dense_step.argmax(-1).tolist(), blocks_step.argmax(-1).tolist())):
+            # the same token, or a near-tie: the dense model's margin no wider than the logits' difference
+            assert want == got or dense_step[row, want] - dense_step[row, got] <= 2 * diff

@@ -28,6 +28,7 @@ from kvscope.analysis.goodput import NO_SLO
 from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig, Mode
 from kvscope.engine.errors import KvscopeError
+from kvscope.engine.gguf_blocks import BLOCKS_MAX_ROWS
 from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
 
 BENCH_MAX_PROMPT_LEN = 2048  # keeps hf-static's dense padded attention inside CPU memory
@@ -117,7 +118,11 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
 
 def decode_weight_bytes(engine) -> int | None:
     """Bytes of weights a decode token reads: every weight (the lm_head's packed copy included) but the input
-    embedding, of which a token reads one row. None on the sim."""
+    embedding, of which a token reads one row; under --quantization gguf with at most BLOCKS_MAX_ROWS running, the
+    GGUF's blocks instead (larger decode steps run on the dense weights). None on the sim."""
+    blocks = getattr(getattr(engine, "backend", None), "gguf_weights", None)
+    if blocks is not None and engine.config.effective_max_num_seqs <= BLOCKS_MAX_ROWS:
+        return blocks.nbytes  # --quantization gguf: decode steps this small read the GGUF's blocks (gguf_blocks.py)
     loaded = engine.loaded
     model = getattr(loaded, "model", None)
     if not isinstance(model, torch.nn.Module) or not getattr(loaded, "weight_bytes", 0):

@@ -6,7 +6,15 @@ import argparse
 
 from kvscope.cli.command import Command
 from kvscope.cli.common import add_palette, add_slo_args
-from kvscope.engine.config import SIM_GPUS
+from kvscope.engine.config import QUANTIZATIONS, SIM_GPUS
+from kvscope.engine.errors import KvscopeError
+
+
+def _is_gguf_model(model: str) -> bool:
+    from kvscope.engine.gguf import is_gguf_path
+    from kvscope.engine.named_models import NAMED_MODELS
+
+    return model in NAMED_MODELS or is_gguf_path(model)
 
 
 class Demo(Command):
@@ -25,6 +33,9 @@ class Demo(Command):
         p.add_argument("--scheduler", default="kvscope", choices=("kvscope", "vllm"),
                        help="who decides each step: kvscope's scheduler, or vLLM's own V1 scheduler "
                             "(docs/VLLM_SCHEDULER.md; `make vllm` installs it)")
+        p.add_argument("--quantization", choices=QUANTIZATIONS,
+                       help="gguf: a GGUF model (smollm2-135m) multiplies the file's own quantized blocks, about 2x "
+                            "faster one stream on a CPU (docs/CPU.md; default: dequantize)")
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -36,11 +47,15 @@ class Demo(Command):
             check_model_name(args.model)  # one line now, not a failed engine child later
 
         extra: tuple[str, ...] = ()
+        if args.quantization:
+            if args.sim or not _is_gguf_model(args.model):
+                raise KvscopeError("--quantization gguf needs a GGUF model: --model smollm2-135m or a .gguf file")
+            extra = ("--quantization", args.quantization)
         if args.scheduler == "vllm":
             from kvscope.adapters.vllm_core import require_vllm
 
             require_vllm()  # one line, before the dashboard takes the terminal
-            extra = ("--scheduler", "vllm")
+            extra += ("--scheduler", "vllm")
         run_demo(palette=args.palette, device=args.device, model=args.model,
                  sim_gpu=args.gpu if args.sim else None,
                  extra_args=extra + (("--slo", *args.slo) if args.slo else ()))  # the engine records the SLO

@@ -19,6 +19,7 @@ POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.m
 SCHEDULERS = ("kvscope", "vllm")  # vllm: vLLM's own V1 Scheduler (engine/vllm_scheduler.py)
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("gguf",)  # vLLM's --quantization value for GGUF files (engine/gguf_blocks.py)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
 # The sim catalog's GPUs (kvscope.engine.sim.catalog.GPUS; a test keeps the two equal). Named here
 # so the CLI lists them without importing the catalog, which loads torch for the built-in shapes.
@@ -50,6 +51,10 @@ class EngineConfig:
     dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA and on a CPU with AMX or "
                          "avx512_bf16, else float32)",
                          choices=DTYPES)
+    quantization: str | None = setting(None, "gguf: a GGUF model's linear layers multiply the file's own quantized "
+                                             "blocks on the CPU (Q4_0, Q4_1, Q8_0), reading fewer bytes per token "
+                                             "than the dequantized weights (default: dequantize into --dtype; "
+                                             "docs/CPU.md)", choices=("gguf",))
     backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
                            choices=BACKENDS, group="sim")
     mode: str = setting("chunked", "batching mode", choices=MODES)
@@ -96,6 +101,8 @@ class EngineConfig:
 
         load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
         _check_choice("backend", self.backend, BACKENDS)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("preemption mode", self.preemption, PREEMPTION_MODES)
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, MAX_TOKENS_PER_STEP)

@@ -15,13 +15,14 @@ or layer type) keeps transformers' forward; `build` says why.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from kvscope.engine.attention import WINDOW_ATTR
 from kvscope.engine.cpu_linear import fused_of
+from kvscope.engine.gguf_blocks import BLOCKS_MAX_ROWS, GgufLinear, GgufWeights
 from kvscope.engine.native_layers import NativeLayers
 from kvscope.kernels import AttentionMetadata, AttentionOps
 
@@ -66,6 +67,11 @@ def _norm(module) -> Norm | None:
     return Norm(module.weight, module.variance_epsilon)
 
 
+def _single(linear: torch.nn.Module | tuple) -> torch.nn.Module | None:
+    """The one module computing a (fused) linear layer, or None where it is separate modules."""
+    return None if isinstance(linear, tuple) else linear
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' x * cos + rotate_half(x) * sin, in 4 calls instead of 7: rotate_half(x) is x rolled by half
     with its first half negated, and negating a factor of a product negates the rounded product exactly, so
@@ -77,25 +83,33 @@ class PagedDecoder:
     """One step's forward over the paged cache: packed token ids in, logits of the kept rows out."""
 
     def __init__(self, model: torch.nn.Module, layers: list[Layer], q_size: int, kv_size: int, head_dim: int,
-                 intermediate: int) -> None:
+                 intermediate: int, lm_head: torch.nn.Module | None = None,
+                 dense_layers: list[Layer] | None = None) -> None:
         self.model = model
         self.body = model.model
+        self.lm_head = lm_head if lm_head is not None else model.lm_head  # a GgufLinear under --quantization gguf
         self.layers = layers
         self.q_size, self.kv_size, self.head_dim, self.intermediate = q_size, kv_size, head_dim, intermediate
         self.final_norm = _norm(self.body.norm)
         # decode-only steps: the same layer loop as one C++ call, where the CPU kernels are loaded
         self.native, self.native_why = NativeLayers.build(layers, q_size, kv_size, head_dim, intermediate)
+        # on GGUF blocks, decode steps of many rows run the C++ loop on the dense weights (gguf_blocks.py)
+        self.native_dense = None
+        if dense_layers is not None and self.native is not None:
+            self.native_dense = NativeLayers.build(dense_layers, q_size, kv_size, head_dim, intermediate)[0]
 
     @property
     def name(self) -> str:
         """For the start-up line; it says so where decode steps cannot run their layers in one C++ call."""
+        blocks = ", linear layers on GGUF blocks" if isinstance(self.lm_head, GgufLinear) else ""
         if self.native is not None:
-            return "kvscope decoder"
-        return f"kvscope decoder, layers in Python ({self.native_why})"
+            return f"kvscope decoder{blocks}"
+        return f"kvscope decoder{blocks}, layers in Python ({self.native_why})"
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> tuple[PagedDecoder | None, str]:
-        """The decoder for this transformers model, or None and why transformers' forward is kept."""
+    def build(cls, model: torch.nn.Module, gguf: GgufWeights | None = None) -> tuple[PagedDecoder | None, str]:
+        """The decoder for this transformers model, or None and why transformers' forward is kept. With `gguf`
+        (gguf_blocks.py) its linear layers and lm_head are the GGUF's blocks instead of the model's."""
         if os.environ.get(FORCE_ENV) == "transformers":
             return None, f"{FORCE_ENV}=transformers"
         body = getattr(model, "model", None)
@@ -121,7 +135,13 @@ class PagedDecoder:
                                 norms[1], gate_up, mlp.down_proj, getattr(attn, WINDOW_ATTR, None), attn.scaling))
         q_size = cfg.num_attention_heads * head_dim
         kv_size = cfg.num_key_value_heads * head_dim
-        return cls(model, layers, q_size, kv_size, head_dim, cfg.intermediate_size), ""
+        if gguf is None:
+            return cls(model, layers, q_size, kv_size, head_dim, cfg.intermediate_size), ""
+        on_blocks = [replace(layer, **{name: getattr(blocks, name).beside(_single(getattr(layer, name)))
+                                       for name in ("qkv", "o_proj", "gate_up", "down")})
+                     for layer, blocks in zip(layers, gguf.layers)]
+        return cls(model, on_blocks, q_size, kv_size, head_dim, cfg.intermediate_size,
+                   gguf.lm_head.beside(model.lm_head), dense_layers=layers), ""
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
         """The layer's q and k (rotated) and v, each [T, heads, D]."""
@@ -150,9 +170,10 @@ class PagedDecoder:
         half = d // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         if self.native is not None and ops.name == "cpu-paged":
-            out = self.native.run(h, cos, signed_sin, kv_cache, meta)
+            native = self.native if self.native_dense is None or t <= BLOCKS_MAX_ROWS else self.native_dense
+            out = native.run(h, cos, signed_sin, kv_cache, meta)
             if out is not None:
-                return self.model.lm_head(self.final_norm(out[keep]))
+                return self.lm_head(self.final_norm(out[keep]))
         for layer in self.layers:
             q, k, v = self._qkv(layer, layer.input_norm(h), cos, signed_sin)
             k_cache, v_cache = kv_cache[layer.index]
@@ -165,4 +186,4 @@ class PagedDecoder:
             else:
                 gate, up = layer.gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        return self.model.lm_head(self.final_norm(h[keep]))
+        return self.lm_head(self.final_norm(h[keep]))

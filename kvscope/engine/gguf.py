@@ -58,6 +58,15 @@ TOKENS_KEY = "tokenizer.ggml.tokens"  # its length is the vocabulary where no vo
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's data lies in the file, as its header says (gguf_blocks.py checks it against the file)."""
+
+    dims: tuple[int, ...]  # ggml's order: dims[0] is the contiguous one (a linear layer's in_features)
+    ggml_type: int
+    offset: int  # from the start of the data section
+
+
+@dataclass(frozen=True)
 class GgufHeader:
     architecture: str
     name: str
@@ -65,6 +74,8 @@ class GgufHeader:
     shape: dict[str, int] = field(default_factory=dict)  # transformers config names -> the header's values
     tied_embeddings: bool = False  # no output.weight tensor: the lm_head is the token embedding
     tensor_names: tuple[str, ...] = ()
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    data_offset: int = 0  # where the data section starts: after the header, aligned to general.alignment
 
     def quant_names(self) -> list[str]:
         return sorted(_type_name(t) for t in self.tensor_types)
@@ -158,35 +169,45 @@ def read_header(path: str) -> GgufHeader:
             fields: dict[str, str] = {}
             ints: dict[str, int] = {}  # "{architecture}.KEY" shape fields, of whichever architecture
             tokens = None
+            alignment = 32  # GGUF's default
             for _ in range(n_kv):
                 key = r.string()
                 kind = r.u32()
                 shape_key = key.split(".", 1)[-1] in SHAPE_KEYS
-                value = r.value(kind, keep=shape_key or key in ("general.architecture", "general.name", TOKENS_KEY))
+                value = r.value(kind, keep=shape_key or key in ("general.architecture", "general.name", TOKENS_KEY,
+                                                               "general.alignment"))
                 if isinstance(value, str):
                     fields[key] = value
                 elif shape_key and isinstance(value, int):  # a per-layer array is no one shape: left out
                     ints[key] = value
                 elif key == TOKENS_KEY and isinstance(value, tuple):
                     tokens = value[1]
+                elif key == "general.alignment" and isinstance(value, int):
+                    alignment = value
             arch = fields.get("general.architecture", "")
             shape = {SHAPE_KEYS[k.split(".", 1)[1]]: v for k, v in ints.items() if k.startswith(f"{arch}.")}
             if "vocab_size" not in shape and tokens is not None:
                 shape["vocab_size"] = tokens
             types = set()
             names = []
+            tensors = {}
             for _ in range(n_tensors):
                 names.append(r.string(MAX_TENSOR_NAME))
                 dims = r.u32()
                 if dims > MAX_DIMS:
                     raise KvscopeError(f"{path}: a tensor claims {dims} dimensions")
+                extent = tuple(r.u64() for _ in range(dims))
                 numel = 1
-                for _ in range(dims):
-                    numel *= r.u64()
+                for n in extent:
+                    numel *= n
                 if numel > MAX_TENSOR_ELEMENTS:
                     raise KvscopeError(f"{path}: tensor {names[-1][:64]!r} claims {numel} elements")
-                types.add(r.u32())
-                r.u64()
+                ggml_type = r.u32()
+                types.add(ggml_type)
+                tensors[names[-1]] = TensorInfo(extent, ggml_type, r.u64())
+            if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
+                raise KvscopeError(f"{path}: general.alignment {alignment} is not a power of two up to 65536")
+            data_offset = -(-f.tell() // alignment) * alignment
     except OSError as e:
         raise KvscopeError(f"cannot read {path}: {e.strerror or e}") from None
     for key, value in shape.items():
@@ -196,7 +217,8 @@ def read_header(path: str) -> GgufHeader:
     if "head_dim" not in shape and shape.get("num_attention_heads") and "hidden_size" in shape:
         shape["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]  # transformers' default too
     return GgufHeader(fields.get("general.architecture", ""), fields.get("general.name", ""), frozenset(types),
-                      shape, tied_embeddings="output.weight" not in names, tensor_names=tuple(names))
+                      shape, tied_embeddings="output.weight" not in names, tensor_names=tuple(names), tensors=tensors,
+                      data_offset=data_offset)
 
 
 def check_layers(path: str, header: GgufHeader) -> None:

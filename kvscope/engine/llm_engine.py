@@ -131,6 +131,8 @@ class LLMEngine:
         config = self.config.to_dict()
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
+        if config.get("quantization") is None:  # dequantized weights: the key is left out
+            config.pop("quantization", None)
         if config.get("scheduler") == "vllm":
             from kvscope.adapters.vllm_core import vllm_version
 

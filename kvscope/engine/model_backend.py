@@ -84,6 +84,7 @@ class ModelBackend:
             packed = pack_linears(self.model.model)
             self.model.weight_bytes += packed.extra_bytes
             self.model.linear_note = packed.note
+        self.gguf_weights = self._gguf_weights() if config.quantization == "gguf" else None
         self.cpu_threads: int | None = None
         self.thread_tuner: ThreadTuner | None = None  # without --cpu-threads on CPU: chosen online
         if not self.on_cuda:
@@ -94,6 +95,23 @@ class ModelBackend:
                 # an explicit count is a ceiling: fewer threads only beside a competitor (cpu_threads.py)
                 self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads,
                                                 load=other_load, only_beside_competitor=explicit)
+
+    def _gguf_weights(self):
+        """--quantization gguf: the GGUF's own blocks for the decoder's linear layers (gguf_blocks.py)."""
+        from kvscope.engine import gguf_blocks
+        from kvscope.kernels import cpu_attention
+
+        if self.on_cuda:
+            raise KvscopeError("--quantization gguf runs on the CPU (its kernels are CPU code); leave it out on CUDA")
+        if not self.model.gguf_path:
+            raise KvscopeError(f"--quantization gguf needs a GGUF model (a .gguf file or smollm2-135m); "
+                               f"{self.config.model!r} is not one")
+        if self.torch_dtype not in (torch.float32, torch.bfloat16):
+            raise KvscopeError("--quantization gguf computes in float32 or bfloat16; pick one with --dtype")
+        cpu_attention.load()  # its op is in the CPU kernels' library (built once per machine)
+        weights = gguf_blocks.load(self.model.gguf_path, self.model.model)
+        self.model.linear_note = weights.describe()
+        return weights
 
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model
@@ -128,7 +146,10 @@ class ModelBackend:
         c = self.config
         runner = ModelRunner(self.model, device=self.torch_device, dtype=self.torch_dtype, num_blocks=num_blocks,
                              block_size=c.block_size, scratch_tokens=max_model_len if c.mode == Mode.STATIC else 0,
-                             seed=c.seed)
+                             seed=c.seed, gguf_weights=self.gguf_weights)
+        if self.gguf_weights is not None and runner.decoder is None:
+            raise KvscopeError(f"--quantization gguf runs through kvscope's CPU decoder, which is off here "
+                               f"({runner.forward_name})")
         if self.on_cuda and not c.enforce_eager:
             runner.capture_cuda_graphs(c.effective_max_num_seqs, max_model_len)
         if self.thread_tuner is not None:

@@ -27,7 +27,7 @@ from kvscope.kernels import select_attention_ops
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, num_blocks: int,
-                 block_size: int, scratch_tokens: int = 0, seed: int = 0) -> None:
+                 block_size: int, scratch_tokens: int = 0, seed: int = 0, gguf_weights=None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = device
@@ -51,7 +51,9 @@ class ModelRunner:
         attention.install(self.model)
         # On a CPU the written-out forward (decoder.py) runs the same operations with far fewer calls;
         # CUDA keeps transformers' forward, which its captured graphs replay.
-        self.decoder, why = PagedDecoder.build(self.model) if device.type == "cpu" else (None, "CUDA graphs")
+        # gguf_weights (--quantization gguf, gguf_blocks.py): its linear layers are the GGUF's blocks.
+        self.decoder, why = (PagedDecoder.build(self.model, gguf_weights) if device.type == "cpu"
+                             else (None, "CUDA graphs"))
         self.forward_name = self.decoder.name if self.decoder is not None else f"transformers ({why})"
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:

@@ -36,6 +36,7 @@ class LoadedModel:
     source: str = ""  # where the weights came from, for the start-up line (e.g. "GGUF Q4_1, dequantized")
     weight_bytes: int = 0  # memory the weights take in the engine's dtype
     linear_note: str = ""  # how the linear layers run on a CPU (cpu_linear.py), for start-up
+    gguf_path: str = ""  # the GGUF file the weights were read from (--quantization gguf reads its blocks)
 
     def describe(self, dtype: str) -> str:
         """The start-up line: which model, where from, the dtype its weights run in and their memory."""
@@ -104,7 +105,7 @@ def _load_gguf(name: str, path: str, dtype: torch.dtype, device: str) -> LoadedM
     return _loaded(model, tokenizer, _eos_ids(model, tokenizer), name,
                    source=f"{os.path.basename(path)}, {header.architecture}, {quants} dequantized by transformers"
                           f"{cached}",
-                   weight_bytes=gguf.weight_bytes(model))
+                   weight_bytes=gguf.weight_bytes(model), gguf_path=path)
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> LoadedModel:

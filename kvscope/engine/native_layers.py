@@ -7,7 +7,7 @@ states are the Python loop's bit for bit (tests/test_cpu_decoder.py), and a step
 once per step instead of once per operation.
 
 It serves steps whose rows are all decodes, on layers decoder.py could fuse and cpu_linear.py
-could pack; anything else (a prefill chunk, a model whose linear layers are not packed, the torch
+could pack (or that run on a GGUF's blocks, gguf_blocks.py); anything else (a prefill chunk, a model whose linear layers are not packed, the torch
 reference attention) runs the Python loop. KVSCOPE_DECODE_LAYERS=python forces the loop, for
 comparing.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.cpu_linear import PackedLinear
+from kvscope.engine.gguf_blocks import GgufLinear
 from kvscope.kernels import cpu_attention
 from kvscope.kernels.metadata import AttentionMetadata
 
@@ -35,7 +36,8 @@ def available() -> bool:
 class NativeLayers:
     """The layers' weights flattened in the order cpu_decoder.cpp reads them."""
 
-    weights: list[torch.Tensor]  # per layer: input norm, packed qkv, packed o, post norm, packed gate_up, down
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post norm, gate_up, down (packed, or GGUF blocks)
+    linear_types: list[int]  # per layer's qkv, o, gate_up, down: 0 oneDNN-packed, else the blocks' GGML type
     optional: list[torch.Tensor | None]  # per layer: qkv, o, gate_up, down biases; q norm, k norm
     eps: list[float]  # per layer: input norm, post norm, q norm, k norm
     scaling: list[float]
@@ -53,20 +55,21 @@ class NativeLayers:
             return None, f"{CHOICE_ENV}=python"
         if not available():
             return None, "the CPU kernels are not loaded"
-        weights, optional, eps, scaling, windows = [], [], [], [], []
+        weights, types, optional, eps, scaling, windows = [], [], [], [], [], []
         for layer in layers:
             linears = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            if not all(isinstance(m, PackedLinear) for m in linears):
+            if not all(isinstance(m, (PackedLinear, GgufLinear)) for m in linears):
                 return None, f"layer {layer.index}: linear layers not packed into oneDNN's layout"
-            weights += [layer.input_norm.weight, layer.qkv.packed, layer.o_proj.packed, layer.post_norm.weight,
-                        layer.gate_up.packed, layer.down.packed]
+            qkv, o, gate_up, down = (m.blocks if isinstance(m, GgufLinear) else m.packed for m in linears)
+            weights += [layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down]
+            types += [m.ggml_type if isinstance(m, GgufLinear) else 0 for m in linears]
             optional += [m.bias for m in linears]
             optional += [layer.q_norm and layer.q_norm.weight, layer.k_norm and layer.k_norm.weight]
             eps += [layer.input_norm.eps, layer.post_norm.eps, layer.q_norm.eps if layer.q_norm else 0.0,
                     layer.k_norm.eps if layer.k_norm else 0.0]
             scaling.append(float(layer.scaling))
             windows.append(int(layer.window or 0))
-        return cls(weights, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate), ""
+        return cls(weights, types, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate), ""
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor | None:
@@ -76,5 +79,5 @@ class NativeLayers:
             return None
         return torch.ops.kvscope.decode_layers(
             hidden, cos, signed_sin, kv_cache, meta.slot_mapping, plan.block_tables, plan.seq_lens, plan.seq_ids,
-            plan.rows, self.weights, self.optional, self.eps, self.scaling, self.windows, self.q_size, self.kv_size,
+            plan.rows, self.weights, self.linear_types, self.optional, self.eps, self.scaling, self.windows, self.q_size, self.kv_size,
             self.head_dim, self.intermediate)

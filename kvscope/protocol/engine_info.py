@@ -88,6 +88,7 @@ class EngineInfo(Struct, kw_only=True):
     model: Text = ""
     device: Name = ""
     dtype: Name = ""
+    quantization: Name | UnsetType = UNSET  # "gguf": linear layers on the GGUF file's own blocks (--quantization)
     backend: Name = ""  # "model", "sim" or "vllm"
     mode: Name = ""  # naive, static, continuous, chunked
     policy: Text = ""
@@ -130,6 +131,7 @@ WIRE_KEYS: tuple[tuple[str, str | None, str], ...] = (
     ("model", None, "model"),
     ("device", None, "device"),
     ("dtype", None, "dtype"),
+    ("quantization", None, "quantization"),
     ("backend", None, "backend"),
     ("mode", None, "mode"),
     ("policy", None, "policy"),

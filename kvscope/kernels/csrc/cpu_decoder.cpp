@@ -5,7 +5,8 @@
 // work was a third of a single-stream step. Here the same ATen operations run in the same order on
 // the same dtypes (so the bits are decoder.py's, which are transformers'), called from C++: the
 // Python layer is crossed once per step instead of once per operation. The packed GEMMs are oneDNN's
-// (mkldnn::_linear_pointwise, as cpu_linear.py calls them) and attention is
+// (mkldnn::_linear_pointwise, as cpu_linear.py calls them), or kvscope::gguf_linear on a GGUF's blocks
+// (cpu_gguf.cpp, under --quantization gguf), and attention is
 // kvscope::paged_decode_attention (cpu_attention.cpp), both through the dispatcher so torch's
 // profiler still names them.
 //
@@ -27,6 +28,7 @@ using at::Tensor;
 
 // The weights of one layer, in the order decoder.py's NativeLayers flattens them.
 constexpr int64_t kWeightsPerLayer = 6;   // input norm, qkv, o, post norm, gate_up, down
+constexpr int64_t kLinearsPerLayer = 4;   // qkv, o, gate_up, down: each one's type
 constexpr int64_t kOptionalPerLayer = 6;  // qkv, o, gate_up, down biases; q norm, k norm (Qwen3)
 constexpr int64_t kEpsPerLayer = 4;       // input norm, post norm, q norm, k norm
 
@@ -45,6 +47,19 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed, const std::optional<
   stack.emplace_back(c10::IValue());
   op.callBoxed(&stack);
   return std::move(stack[0]).toTensor();
+}
+
+// y = x W^T + b on a GGUF's blocks (cpu_gguf.cpp; gguf_blocks.py under --quantization gguf).
+Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const std::optional<Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvscope::gguf_linear", "")
+                             .typed<Tensor(const Tensor&, const Tensor&, int64_t, const std::optional<Tensor>&)>();
+  return op.call(x, blocks, type, bias);
+}
+
+// type 0: oneDNN-packed; otherwise the GGML type of the weight's blocks.
+Tensor linear(const Tensor& x, const Tensor& weight, int64_t type, const std::optional<Tensor>& bias) {
+  return type == 0 ? packed_linear(x, weight, bias) : gguf_linear(x, weight, type, bias);
 }
 
 // decoder.py's Norm: transformers' llama RMSNorm, in float32, then weight times the input dtype's rounding.
@@ -74,12 +89,13 @@ void paged_attention(const Tensor& q, Tensor& out, const Tensor& k_cache, const 
 Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& signed_sin, const Tensor& kv_cache,
                      const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                      const Tensor& seq_ids, const Tensor& rows, at::TensorList weights,
-                     const c10::List<std::optional<Tensor>>& optional, at::ArrayRef<double> eps,
+                     at::IntArrayRef linear_types, const c10::List<std::optional<Tensor>>& optional, at::ArrayRef<double> eps,
                      at::ArrayRef<double> scaling, at::IntArrayRef windows, int64_t q_size, int64_t kv_size,
                      int64_t head_dim, int64_t intermediate) {
   const int64_t layers = static_cast<int64_t>(scaling.size());
   TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, width]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
+                  static_cast<int64_t>(linear_types.size()) == layers * kLinearsPerLayer &&
                   static_cast<int64_t>(optional.size()) == layers * kOptionalPerLayer &&
                   static_cast<int64_t>(eps.size()) == layers * kEpsPerLayer &&
                   static_cast<int64_t>(windows.size()) == layers,
@@ -93,9 +109,10 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
     const Tensor* w = &weights[i * kWeightsPerLayer];
     auto opt = [&](int64_t j) -> std::optional<Tensor> { return optional.get(i * kOptionalPerLayer + j); };
     const double* e = &eps[i * kEpsPerLayer];
+    const int64_t* type = &linear_types[i * kLinearsPerLayer];
     const std::optional<Tensor> q_norm = opt(4), k_norm = opt(5);
 
-    const Tensor qkv = packed_linear(rms_norm(h, w[0], e[0]), w[1], opt(0));
+    const Tensor qkv = linear(rms_norm(h, w[0], e[0]), w[1], type[0], opt(0));
     Tensor q, k, v;
     if (!q_norm.has_value()) {  // q and k side by side in the fused output: one rotary pass for both
       const Tensor qk = rope(qkv.slice(1, 0, q_size + kv_size).view({t, -1, d}), cos, signed_sin);
@@ -115,10 +132,10 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
     Tensor attn = at::empty(q.sizes(), q.options());
     paged_attention(q, attn, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scaling[i], windows[i]);
 
-    h = h + packed_linear(attn.reshape({t, -1}), w[2], opt(1));
-    const Tensor gate_up = packed_linear(rms_norm(h, w[3], e[1]), w[4], opt(2));
+    h = h + linear(attn.reshape({t, -1}), w[2], type[1], opt(1));
+    const Tensor gate_up = linear(rms_norm(h, w[3], e[1]), w[4], type[2], opt(2));
     const auto parts = gate_up.split_with_sizes({intermediate, intermediate}, -1);
-    h = h + packed_linear(at::silu(parts[0]) * parts[1], w[5], opt(3));
+    h = h + linear(at::silu(parts[0]) * parts[1], w[5], type[3], opt(3));
   }
   return h;
 }
@@ -128,7 +145,7 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor[] weights, "
-        "Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
+        "int[] linear_types, Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
         "int head_dim, int intermediate) -> Tensor");
 }
 

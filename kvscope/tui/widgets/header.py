@@ -30,6 +30,8 @@ class HeaderBar(StateWidget):
         if cfg is not None:
             top.append(f" {cfg.model or '?'}", style="bold")
             top.append(f" · {cfg.device or '?'}")
+            if cfg.quantization == "gguf":  # linear layers on the GGUF's own blocks (--quantization gguf)
+                top.append(" · GGUF blocks", style=pal.dim)
             backend = cfg.backend
             if backend == "sim":
                 top.append(" · ")

@@ -1,0 +1,200 @@
+"""Linear layers over GGUF blocks (kernels/gguf_linear.py, csrc/cpu_gguf.cpp; engine/gguf_blocks.py).
+
+The weights a block widens to are gguf-py's dequantized values (what transformers loads), rounded
+to the activations' dtype, bit for bit; the product is a dense GEMM's up to summation order; the
+real file's blocks, in kvscope's row order, are the weights transformers loaded from it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.errors import KvscopeError
+from kvscope.kernels import cpu_attention, gguf_linear
+
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    cpu_attention.load()
+
+
+def random_blocks(out: int, in_features: int, ggml_type: int, seed: int = 0) -> torch.Tensor:
+    """Blocks of random quants with finite f16 scales of a realistic size (and negative ones)."""
+    rng = np.random.default_rng(seed)
+    fmt = gguf_linear.FORMATS[ggml_type]
+    b = rng.integers(0, 256, size=(out, in_features // 32, fmt.nbytes), dtype=np.uint8)
+    scales = (rng.standard_normal((out, in_features // 32, 2)) * 0.02).astype(np.float16)
+    b[..., 0:2] = scales[..., 0:1].view(np.uint8)
+    if ggml_type == 3:
+        b[..., 2:4] = scales[..., 1:2].view(np.uint8)
+    return torch.from_numpy(b.reshape(out, -1).copy())
+
+
+def gguf_py(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """gguf-py's own dequantizer: the values transformers' GGUF loader builds a model from."""
+    import gguf
+    from gguf import quants
+
+    values = quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(blocks.shape[0], -1)
+
+
+def _op_loaded() -> bool:
+    return gguf_linear.op_available()
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widened_weights_are_gguf_py_values_rounded_once(name, dtype):
+    blocks = random_blocks(48, 96, TYPES[name])
+    want = gguf_py(blocks, TYPES[name]).to(dtype)
+    assert torch.equal(gguf_linear.dequantize_reference(blocks, TYPES[name], dtype), want)
+    if _op_loaded():
+        assert torch.equal(torch.ops.kvscope.gguf_dequantize(blocks, TYPES[name], dtype), want)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 33])  # one tile, tiles and a remainder, the dense path
+def test_linear_is_a_dense_gemm_up_to_summation_order(name, dtype, rows):
+    if not _op_loaded():
+        pytest.skip("the CPU kernels did not build here")
+    ggml_type = TYPES[name]
+    blocks = random_blocks(40, 160, ggml_type, seed=rows)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(2, rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    weight = gguf_py(blocks, ggml_type).to(dtype)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())  # exact products, then one rounding
+    got = torch.ops.kvscope.gguf_linear(x, blocks, ggml_type, bias)
+    assert got.dtype == dtype and got.shape == (2, rows, 40)
+    # float32: summation order; bf16: the output's one rounding (2^-8 relative) on top
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    ref = gguf_linear.linear_reference(x, blocks, ggml_type, bias)
+    assert torch.allclose(got.double(), ref.double(), rtol=2 * tol, atol=2 * tol * want.abs().max().item())
+
+
+def test_the_op_refuses_bad_shapes_in_one_line():
+    if not _op_loaded():
+        pytest.skip("the CPU kernels did not build here")
+    blocks = random_blocks(8, 64, 3)
+    with pytest.raises(RuntimeError, match="last dimension is 32, the weight's 64"):
+        torch.ops.kvscope.gguf_linear(torch.zeros(1, 32), blocks, 3, None)
+    with pytest.raises(RuntimeError, match="unsupported GGML type 12"):
+        torch.ops.kvscope.gguf_linear(torch.zeros(1, 64), blocks, 12, None)
+    with pytest.raises(RuntimeError, match="not whole blocks"):
+        torch.ops.kvscope.gguf_linear(torch.zeros(1, 64), blocks[:, :30].contiguous(), 3, None)
+
+
+def test_unpermute_rows_undoes_llama_cpp_q_k_order():
+    from kvscope.engine.gguf_blocks import unpermute_rows
+
+    heads, rows = 3, 24
+    checkpoint = torch.arange(rows)
+    # llama.cpp's converter: each head's rows split in two halves, then interleaved
+    in_file = checkpoint.reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+    assert torch.equal(in_file[unpermute_rows(rows, heads)], checkpoint)
+    with pytest.raises(KvscopeError, match="cannot undo"):
+        unpermute_rows(25, heads)
+
+
+def test_the_real_files_blocks_are_the_weights_transformers_loaded(smollm2_path):
+    """Every layer, in kvscope's row order (q/k un-permuted, q/k/v and gate/up fused), bit for bit."""
+    from kvscope.engine.gguf import load_gguf
+    from kvscope.engine.gguf_blocks import read_weights
+
+    model, _, _ = load_gguf(smollm2_path, torch.float32, "cpu")
+    weights = read_weights(smollm2_path, model.config)
+    assert {m.ggml_type for layer in weights.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                             layer.down)} == {3}
+    assert weights.lm_head.ggml_type == 8 and weights.lm_head.out_features == model.config.vocab_size
+    for i, layer in enumerate(weights.layers):
+        block = model.model.layers[i]
+        attn, mlp = block.self_attn, block.mlp
+        dense = [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
+                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+        for ours, want in zip((layer.qkv, layer.o_proj, layer.gate_up, layer.down), dense):
+            assert torch.equal(gguf_linear.dequantize_reference(ours.blocks, ours.ggml_type, torch.float32),
+                               want.detach()), f"layer {i}"
+    # 97 MB: what llama.cpp reads per token from the same file (the bench's weights/token column)
+    assert 90e6 < weights.nbytes < 100e6
+
+
+def test_a_truncated_file_is_refused_in_one_line(smollm2_path, tmp_path):
+    from kvscope.engine.gguf import load_gguf
+    from kvscope.engine.gguf_blocks import read_weights
+
+    model, _, _ = load_gguf(smollm2_path, torch.float32, "cpu")
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src, open(cut, "wb") as dst:
+        shutil.copyfileobj(src, dst, length=1 << 20)
+        dst.truncate(os.path.getsize(smollm2_path) - 4096)
+    with pytest.raises(KvscopeError, match="runs past the end of the file"):
+        read_weights(str(cut), model.config)
+
+
+def test_quantization_is_checked_in_one_line():
+    with pytest.raises(KvscopeError, match=r"unknown quantization 'awq' \(choose from gguf\)"):
+        EngineConfig(quantization="awq").validate()
+    from kvscope.engine import LLM
+
+    with pytest.raises(KvscopeError, match="needs a GGUF model"):
+        LLM("tiny", device="cpu", quantization="gguf")
+
+
+def test_many_rows_go_to_the_dense_weight_beside_the_blocks():
+    """A few rows (a chat stream's decode) read the blocks; a prefill chunk or a large batch is arithmetic-bound
+    and runs on the model's dense weight of the same layer."""
+    from kvscope.engine.gguf_blocks import BLOCKS_MAX_ROWS, GgufLinear
+
+    blocks = random_blocks(16, 64, 3)
+    calls = []
+
+    class Dense(torch.nn.Module):
+        def forward(self, x):
+            calls.append(x.shape[0])
+            return torch.nn.functional.linear(x, gguf_py(blocks, 3).to(x.dtype))
+
+    layer = GgufLinear(blocks, 3).beside(Dense())
+    few = torch.randn(BLOCKS_MAX_ROWS, 64)
+    many = torch.randn(BLOCKS_MAX_ROWS + 1, 64)
+    assert torch.allclose(layer(few), Dense()(few), atol=1e-4) and calls == [BLOCKS_MAX_ROWS]
+    layer(many)
+    assert calls == [BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1]
+    assert GgufLinear(blocks, 3)(many).shape == (BLOCKS_MAX_ROWS + 1, 16)  # no dense beside: the blocks
+
+
+def test_the_hello_says_the_blocks_ran_and_the_header_shows_it(smollm2_path, tmp_path):
+    """A recorded or live run says which weights ran: hello.config.quantization "gguf", absent when dequantized."""
+    import asyncio
+
+    from kvscope.engine import LLM
+    from kvscope.protocol.codec import decode, encode
+    from kvscope.traces.writer import TraceWriter
+    from kvscope.tui.launch import make_replay_app
+    from kvscope.tui.widgets.header import HeaderBar
+
+    engine = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8, quantization="gguf").engine
+    config = decode(encode(engine.hello())).config
+    assert config.quantization == "gguf" and config.dtype == "float32"
+    dense = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8).engine.hello()
+    assert "quantization" not in dense.config.as_dict() and decode(encode(dense)).config.quantization != "gguf"
+
+    path = str(tmp_path / "blocks.kvtrace")
+    TraceWriter(path, engine.hello(), snapshot_provider=engine.snapshot).close()
+
+    async def header() -> str:
+        app = make_replay_app(path, playing=False)
+        async with app.run_test(size=(140, 30)) as pilot:
+            await pilot.pause()
+            return str(app.screen.query_one(HeaderBar).render())
+
+    assert "cpu · GGUF blocks" in asyncio.run(header()).splitlines()[0]
