@@ -144,6 +144,8 @@ def test_a_truncated_file_is_refused_in_one_line(smollm2_path, tmp_path):
 def test_quantization_is_checked_in_one_line():
     with pytest.raises(KvscopeError, match=r"unknown quantization 'awq' \(choose from gguf\)"):
         EngineConfig(quantization="awq").validate()
+    with pytest.raises(KvscopeError, match="the sim backend runs no weights"):
+        EngineConfig(model="llama-3.3-70b-fp8", backend="sim", quantization="gguf").validate()
     from kvscope.engine import LLM
 
     with pytest.raises(KvscopeError, match="needs a GGUF model"):

@@ -103,6 +103,9 @@ class EngineConfig:
         _check_choice("backend", self.backend, BACKENDS)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
+            if self.backend == "sim":
+                raise KvscopeError("--quantization gguf multiplies a GGUF model's own blocks; the sim backend runs "
+                                   "no weights (leave it out)")
         _check_choice("preemption mode", self.preemption, PREEMPTION_MODES)
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, MAX_TOKENS_PER_STEP)

@@ -101,8 +101,9 @@ class GgufWeights:
     def describe(self) -> str:
         kinds = sorted({gguf_linear.FORMATS[m.ggml_type].name for layer in self.layers
                         for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)})
-        return (f"linear layers on the GGUF's {'+'.join(kinds)} blocks, lm_head on its "
-                f"{gguf_linear.FORMATS[self.lm_head.ggml_type].name} ({self.nbytes / 2**20:,.0f} MiB read per token)")
+        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks, lm_head on its "
+                f"{gguf_linear.FORMATS[self.lm_head.ggml_type].name} ({self.nbytes / 2**20:,.0f} MiB read per token, "
+                "held beside the dense weights)")
 
 
 def _read(path: str, header: GgufHeader, name: str, size: int) -> tuple[torch.Tensor, int]:

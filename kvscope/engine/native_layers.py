@@ -7,8 +7,8 @@ states are the Python loop's bit for bit (tests/test_cpu_decoder.py), and a step
 once per step instead of once per operation.
 
 It serves steps whose rows are all decodes, on layers decoder.py could fuse and cpu_linear.py
-could pack (or that run on a GGUF's blocks, gguf_blocks.py); anything else (a prefill chunk, a model whose linear layers are not packed, the torch
-reference attention) runs the Python loop. KVSCOPE_DECODE_LAYERS=python forces the loop, for
+could pack, or that run on a GGUF's blocks (gguf_blocks.py); anything else (a prefill chunk, a
+model whose linear layers are not packed, the torch reference attention) runs the Python loop. KVSCOPE_DECODE_LAYERS=python forces the loop, for
 comparing.
 """
 
@@ -79,5 +79,5 @@ class NativeLayers:
             return None
         return torch.ops.kvscope.decode_layers(
             hidden, cos, signed_sin, kv_cache, meta.slot_mapping, plan.block_tables, plan.seq_lens, plan.seq_ids,
-            plan.rows, self.weights, self.linear_types, self.optional, self.eps, self.scaling, self.windows, self.q_size, self.kv_size,
-            self.head_dim, self.intermediate)
+            plan.rows, self.weights, self.linear_types, self.optional, self.eps, self.scaling, self.windows,
+            self.q_size, self.kv_size, self.head_dim, self.intermediate)
