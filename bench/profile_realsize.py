@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GROUPS = (  # first match wins: (group, substrings of the op name)
     ("gemm (linear layers, lm_head)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
-                                       "mkldnn::_linear_pointwise")),
+                                       "mkldnn::_linear_pointwise", "kvscope::gguf_linear")),
     ("attention (sdpa, paged kernel)", ("scaled_dot_product", "_flash_attention", "aten::_softmax", "aten::baddbmm",
                                         "kvscope::paged_decode_attention")),
     ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::gather", "aten::index")),
@@ -33,6 +33,9 @@ GROUPS = (  # first match wins: (group, substrings of the op name)
                                               "aten::mean", "aten::neg", "aten::cat", "aten::cos", "aten::sin")),
     ("copies / casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")),
 )
+
+
+LAYER_LOOP = "kvscope::decode_layers"  # a decode step's layers in one C++ call: its ops are grouped one by one
 
 
 def group_of(name: str) -> str:
@@ -49,6 +52,7 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cpu-threads", type=int)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--top", type=int, default=0, metavar="N", help="also list the N ops that took longest")
     args = p.parse_args()
 
     import torch
@@ -81,10 +85,17 @@ def main() -> int:
     ideal = roofline.Roofline.of(peaks, shape).extra(steps.shapes, wall)
 
     by_group: dict[str, float] = defaultdict(float)
+    by_op: dict[str, float] = defaultdict(float)
     top_level_s = 0.0
     for evt in prof.events():
-        if evt.cpu_parent is None:  # top-level ops only: children are inside them
+        parent = evt.cpu_parent
+        if evt.name == LAYER_LOOP and parent is None:  # a container: its ops are counted below, its own time here
+            by_group["the C++ layer loop's own time"] += evt.self_cpu_time_total / 1e6
+            top_level_s += evt.self_cpu_time_total / 1e6
+        elif parent is None or (parent.name == LAYER_LOOP and parent.cpu_parent is None):
+            # top-level ops, and the ops a decode step's C++ layer loop called: children are inside them
             by_group[group_of(evt.name)] += evt.cpu_time_total / 1e6
+            by_op[evt.name] += evt.cpu_time_total / 1e6
             top_level_s += evt.cpu_time_total / 1e6
     tokens = sum(it.max_tokens for it in items)
     result = {
@@ -102,6 +113,10 @@ def main() -> int:
     for group, s in sorted([*by_group.items(), ("host outside ops (python)", result["host_outside_ops_s"])],
                            key=lambda kv: -kv[1]):
         print(f"  {group:<40} {s:8.2f} s  {100 * s / wall:5.1f}%")
+    if args.top:
+        print(f"the {args.top} longest ops:")
+        for name, s in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {name[:48]:<48} {s:8.2f} s  {100 * s / wall:5.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
