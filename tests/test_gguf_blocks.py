@@ -56,9 +56,13 @@ def _op_loaded() -> bool:
 def test_widened_weights_are_gguf_py_values_rounded_once(name, dtype):
     blocks = random_blocks(48, 96, TYPES[name])
     want = gguf_py(blocks, TYPES[name]).to(dtype)
-    assert torch.equal(gguf_linear.dequantize_reference(blocks, TYPES[name], dtype), want)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # -0.0 and +0.0 told apart
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+    assert torch.equal(bits(gguf_linear.dequantize_reference(blocks, TYPES[name], dtype)), bits(want))
     if _op_loaded():
-        assert torch.equal(torch.ops.kvscope.gguf_dequantize(blocks, TYPES[name], dtype), want)
+        assert torch.equal(bits(torch.ops.kvscope.gguf_dequantize(blocks, TYPES[name], dtype)), bits(want))
 
 
 @pytest.mark.parametrize("name", list(TYPES))
@@ -200,3 +204,19 @@ def test_the_hello_says_the_blocks_ran_and_the_header_shows_it(smollm2_path, tmp
             return str(app.screen.query_one(HeaderBar).render())
 
     assert "cpu · GGUF blocks" in asyncio.run(header()).splitlines()[0]
+
+
+def test_the_blocks_take_the_models_bias_for_their_weight():
+    """Qwen2's q/k/v carry biases (F32 tensors beside the blocks, loaded by transformers): the blocks' layer adds the
+    model's own, fused in the blocks' row order, with zeros for a part that has none."""
+    from kvscope.engine.gguf_blocks import GgufLinear
+
+    blocks = random_blocks(24, 64, 3)
+    q, k, v = (torch.nn.Linear(64, n, bias=b) for n, b in ((8, True), (8, False), (8, True)))
+    layer = GgufLinear(blocks, 3).beside((q, k, v))
+    assert layer.dense is None  # separate modules: no one dense weight to hand large inputs to
+    assert torch.equal(layer.bias, torch.cat([q.bias, torch.zeros(8), v.bias]))
+    x = torch.randn(3, 64)
+    want = torch.nn.functional.linear(x, gguf_py(blocks, 3), layer.bias)
+    assert torch.allclose(layer(x), want, atol=1e-4)
+    assert GgufLinear(blocks, 3).beside(torch.nn.Linear(64, 24, bias=False)).bias is None

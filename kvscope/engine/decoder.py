@@ -67,11 +67,6 @@ def _norm(module) -> Norm | None:
     return Norm(module.weight, module.variance_epsilon)
 
 
-def _single(linear: torch.nn.Module | tuple) -> torch.nn.Module | None:
-    """The one module computing a (fused) linear layer, or None where it is separate modules."""
-    return None if isinstance(linear, tuple) else linear
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' x * cos + rotate_half(x) * sin, in 4 calls instead of 7: rotate_half(x) is x rolled by half
     with its first half negated, and negating a factor of a product negates the rounded product exactly, so
@@ -137,7 +132,7 @@ class PagedDecoder:
         kv_size = cfg.num_key_value_heads * head_dim
         if gguf is None:
             return cls(model, layers, q_size, kv_size, head_dim, cfg.intermediate_size), ""
-        on_blocks = [replace(layer, **{name: getattr(blocks, name).beside(_single(getattr(layer, name)))
+        on_blocks = [replace(layer, **{name: getattr(blocks, name).beside(getattr(layer, name))
                                        for name in ("qkv", "o_proj", "gate_up", "down")})
                      for layer, blocks in zip(layers, gguf.layers)]
         return cls(model, on_blocks, q_size, kv_size, head_dim, cfg.intermediate_size,

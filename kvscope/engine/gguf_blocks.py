@@ -48,18 +48,27 @@ class GgufLinear(torch.nn.Module):
     """y = x W^T with W as GGUF blocks [out_features, bytes per row] (kernels/gguf_linear.py); past
     BLOCKS_MAX_ROWS rows of input, the same weight's dense module where one is beside it."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, dense: torch.nn.Module | None = None) -> None:
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, dense: torch.nn.Module | None = None,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.blocks = blocks  # a plain attribute: uint8, not a parameter
         self.ggml_type = ggml_type
-        self.bias = None
+        self.bias = bias
         self.out_features = blocks.shape[0]
         self.in_features = gguf_linear.in_features(blocks, ggml_type)
         self.dense = dense
 
-    def beside(self, dense: torch.nn.Module | None) -> GgufLinear:
-        """The same blocks, with the model's dense module of the same weight for inputs of many rows."""
-        return GgufLinear(self.blocks, self.ggml_type, dense)
+    def beside(self, linear: torch.nn.Module | tuple) -> GgufLinear:
+        """The same blocks beside the model's own layer for this weight (one module, or the separate modules
+        fused here): its bias (Qwen2's q/k/v have one; the GGUF's F32 bias is what transformers loaded into
+        it), and, where it is one module, the dense weight for inputs of many rows."""
+        parts = linear if isinstance(linear, tuple) else (linear,)
+        biases = [getattr(m, "bias", None) for m in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=biases_dtype(biases))
+                              for b, m in zip(biases, parts)])
+        return GgufLinear(self.blocks, self.ggml_type, None if isinstance(linear, tuple) else linear, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() > BLOCKS_MAX_ROWS * self.in_features:
@@ -76,6 +85,10 @@ class GgufLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{gguf_linear.FORMATS[self.ggml_type].name} blocks")
+
+
+def biases_dtype(biases: list) -> torch.dtype:
+    return next(b.dtype for b in biases if b is not None)
 
 
 @dataclass(frozen=True)

@@ -109,13 +109,20 @@ inline void widen(const uint8_t* block, float* w) {
     for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(q[j]);
   } else {
     const float d = half_at(block);
-    const float m = kType == kQ4_1 ? half_at(block + 2) : 0.f;
     const uint8_t* q = block + (kType == kQ4_1 ? 4 : 2);
-    const int offset = kType == kQ4_0 ? 8 : 0;
+    if constexpr (kType == kQ4_1) {
+      const float m = half_at(block + 2);
 #pragma omp simd
-    for (int64_t j = 0; j < kBlock / 2; ++j) {
-      w[j] = d * static_cast<float>((q[j] & 0x0F) - offset) + m;
-      w[j + kBlock / 2] = d * static_cast<float>((q[j] >> 4) - offset) + m;
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        w[j] = d * static_cast<float>(q[j] & 0x0F) + m;
+        w[j + kBlock / 2] = d * static_cast<float>(q[j] >> 4) + m;
+      }
+    } else {  // Q4_0: no minimum (adding a zero would turn gguf-py's -0.0 into +0.0)
+#pragma omp simd
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        w[j] = d * static_cast<float>((q[j] & 0x0F) - 8);
+        w[j + kBlock / 2] = d * static_cast<float>((q[j] >> 4) - 8);
+      }
     }
   }
   if constexpr (kBf16) {
