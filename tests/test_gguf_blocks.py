@@ -117,15 +117,14 @@ def test_the_real_files_blocks_are_the_weights_transformers_loaded(smollm2_path)
 
     model, _, _ = load_gguf(smollm2_path, torch.float32, "cpu")
     weights = read_weights(smollm2_path, model.config)
-    assert {m.ggml_type for layer in weights.layers for m in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                             layer.down)} == {3}
+    assert {m.ggml_type for layer in weights.layers for m in layer.linears()} == {3}
     assert weights.lm_head.ggml_type == 8 and weights.lm_head.out_features == model.config.vocab_size
     for i, layer in enumerate(weights.layers):
         block = model.model.layers[i]
         attn, mlp = block.self_attn, block.mlp
         dense = [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
                  torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
-        for ours, want in zip((layer.qkv, layer.o_proj, layer.gate_up, layer.down), dense):
+        for ours, want in zip(layer.linears(), dense):
             assert torch.equal(gguf_linear.dequantize_reference(ours.blocks, ours.ggml_type, torch.float32),
                                want.detach()), f"layer {i}"
     # 97 MB: what llama.cpp reads per token from the same file (the bench's weights/token column)
@@ -220,3 +219,30 @@ def test_the_blocks_take_the_models_bias_for_their_weight():
     want = torch.nn.functional.linear(x, gguf_py(blocks, 3), layer.bias)
     assert torch.allclose(layer(x), want, atol=1e-4)
     assert GgufLinear(blocks, 3).beside(torch.nn.Linear(64, 24, bias=False)).bias is None
+
+
+def test_hostile_headers_are_refused_in_one_line(tmp_path):
+    """What --quantization gguf newly reads from a GGUF (the data section's alignment, each tensor's type, shape and
+    offset) is checked before a byte of data is read."""
+    from types import SimpleNamespace
+
+    import gguf
+
+    from kvscope.engine.gguf import read_header
+    from kvscope.engine.gguf_blocks import read_weights
+    from test_hostile_round3 import _llama_gguf
+
+    config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    float_linears = _llama_gguf(tmp_path / "f32.gguf", 1, 1)  # a servable file whose linear layers are F32
+    with pytest.raises(KvscopeError, match=r"blk\.0\.attn_q\.weight .* is GGML type 0; kvscope multiplies Q4_0"):
+        read_weights(float_linears, config)
+
+    w = gguf.GGUFWriter(str(tmp_path / "align.gguf"), "llama")
+    w.add_uint32("general.alignment", 3)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(KvscopeError, match="general.alignment 3 is not a power of two"):
+        read_header(str(tmp_path / "align.gguf"))

@@ -54,7 +54,7 @@ class EngineConfig:
     quantization: str | None = setting(None, "gguf: a GGUF model's linear layers multiply the file's own quantized "
                                              "blocks on the CPU (Q4_0, Q4_1, Q8_0), reading fewer bytes per token "
                                              "than the dequantized weights (default: dequantize into --dtype; "
-                                             "docs/CPU.md)", choices=("gguf",))
+                                             "docs/CPU.md)", choices=QUANTIZATIONS)
     backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
                            choices=BACKENDS, group="sim")
     mode: str = setting("chunked", "batching mode", choices=MODES)

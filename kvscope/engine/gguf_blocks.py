@@ -66,7 +66,8 @@ class GgufLinear(torch.nn.Module):
         biases = [getattr(m, "bias", None) for m in parts]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=biases_dtype(biases))
+            dtype = next(b.dtype for b in biases if b is not None)
+            bias = torch.cat([b if b is not None else torch.zeros(m.out_features, dtype=dtype)
                               for b, m in zip(biases, parts)])
         return GgufLinear(self.blocks, self.ggml_type, None if isinstance(linear, tuple) else linear, bias)
 
@@ -87,16 +88,15 @@ class GgufLinear(torch.nn.Module):
                 f"{gguf_linear.FORMATS[self.ggml_type].name} blocks")
 
 
-def biases_dtype(biases: list) -> torch.dtype:
-    return next(b.dtype for b in biases if b is not None)
-
-
 @dataclass(frozen=True)
 class LayerLinears:
     qkv: GgufLinear  # q, k, v rows in that order
     o_proj: GgufLinear
     gate_up: GgufLinear  # gate rows, then up rows
     down: GgufLinear
+
+    def linears(self) -> tuple[GgufLinear, ...]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,10 @@ class GgufWeights:
     @property
     def nbytes(self) -> int:
         """The bytes a decode token reads: every linear layer's blocks and the lm_head's."""
-        return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers
-                                         for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers for m in layer.linears())
 
     def describe(self) -> str:
-        kinds = sorted({gguf_linear.FORMATS[m.ggml_type].name for layer in self.layers
-                        for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)})
+        kinds = sorted({gguf_linear.FORMATS[m.ggml_type].name for layer in self.layers for m in layer.linears()})
         return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks, lm_head on its "
                 f"{gguf_linear.FORMATS[self.lm_head.ggml_type].name} ({self.nbytes / 2**20:,.0f} MiB read per token, "
                 "held beside the dense weights)")
@@ -192,12 +190,10 @@ def check_against(weights: GgufWeights, model: torch.nn.Module) -> None:
     body = model.model
     for i in sorted({0, len(weights.layers) - 1}):
         attn, mlp = body.layers[i].self_attn, body.layers[i].mlp
-        dense = {"q/k/v": torch.cat([_dense(attn.q_proj), _dense(attn.k_proj), _dense(attn.v_proj)]),
-                 "o": _dense(attn.o_proj), "gate/up": torch.cat([_dense(mlp.gate_proj), _dense(mlp.up_proj)]),
-                 "down": _dense(mlp.down_proj)}
-        ours = weights.layers[i]
-        for what, got in (("q/k/v", ours.qkv), ("o", ours.o_proj), ("gate/up", ours.gate_up), ("down", ours.down)):
-            if not torch.equal(got.dequantized(dtype), dense[what].to(dtype)):
+        dense = (torch.cat([_dense(attn.q_proj), _dense(attn.k_proj), _dense(attn.v_proj)]), _dense(attn.o_proj),
+                 torch.cat([_dense(mlp.gate_proj), _dense(mlp.up_proj)]), _dense(mlp.down_proj))
+        for what, got, want in zip(("q/k/v", "o", "gate/up", "down"), weights.layers[i].linears(), dense):
+            if not torch.equal(got.dequantized(dtype), want.to(dtype)):
                 raise KvscopeError(f"--quantization gguf: layer {i}'s {what} blocks in "
                                    f"{os.path.basename(weights.path)} are not the weights transformers loaded "
                                    "(an unknown row layout); leave the flag out to dequantize")

@@ -318,16 +318,11 @@ Tensor gguf_dequantize(const Tensor& blocks, int64_t type, at::ScalarType dtype)
   float* dst = w.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1), bb = block_bytes(type);
   at::parallel_for(0, out, kGrain, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = src + o * row_bytes + b * bb;
-        float* to = dst + o * in + b * kBlock;
-        switch (type) {
-          case kQ4_0: widen<kQ4_0, false>(block, to); break;
-          case kQ4_1: widen<kQ4_1, false>(block, to); break;
-          default: widen<kQ8_0, false>(block, to); break;
-        }
-      }
+    with_type(type, [&](auto type_c) {
+      constexpr int64_t kType = decltype(type_c)::value;
+      for (int64_t o = o0; o < o1; ++o)
+        for (int64_t b = 0; b < nb; ++b) widen<kType, false>(src + o * row_bytes + b * bb, dst + o * in + b * kBlock);
+    });
   });
   return dtype == at::kFloat ? w : w.to(dtype);
 }
