@@ -36,7 +36,6 @@ from kvscope.serve.bridge import (ACCEPTED, BAD_MIN_TOKENS, DONE, QUEUE_FULL, RE
                                   Job, Update)
 from kvscope.serve.replies import Reply
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 TEXT_THREADS = 6  # tokenizing and template renders at once: more than the render pool, so encodes go on
 # chat_template_kwargs keys that are the renderer's own parameters, not template variables: the request's own
 # fields set them, or they would change what the render returns
@@ -95,6 +94,13 @@ def _failed(update: Update) -> oa.ApiError:
     """A request that the engine ended with reason "error": its own failure, a 500."""
     return oa.ApiError(500, f"the request failed in the engine: {update.error or 'unknown error'}",
                        type="server_error")
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client hangs up. The body has been read, so the next ASGI message is
+    http.disconnect, sent the moment uvicorn sees the connection close (vLLM listens the same way)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class ApiKeyGuard:
@@ -341,27 +347,16 @@ class HttpFrontEnd:
             what = "refused these messages" if not isinstance(e, RenderError) else "failed"
             raise oa.ApiError(400, f"the chat template {what}: {e}", param=param) from None
 
-    async def _next(self, request: Request, job: Job, updates: asyncio.Queue, watch: list[float]) -> Update | None:
-        """The next update; None if the client left meanwhile (its request is then aborted). The client
-        is looked at every DISCONNECT_POLL_S (watch[0]: when next), however fast tokens come."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                u = None
-                try:
-                    u = await asyncio.wait_for(updates.get(), max(0.0, watch[0] - loop.time()))
-                except asyncio.TimeoutError:
-                    pass
-                if loop.time() >= watch[0]:
-                    watch[0] = loop.time() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        self.bridge.abort(job)
-                        return None
-                if u is not None:
-                    return u
-        except asyncio.CancelledError:
-            self.bridge.abort(job)
-            raise
+    async def _collect(self, job: Job, updates: asyncio.Queue, reply: Reply) -> Response:
+        """A non-streaming reply: every update until the last sequence ends."""
+        while True:
+            u = await updates.get()
+            if u.kind == DONE and u.finish_reason == "error":
+                self.bridge.abort(job)  # one of its n sequences failed: the reply cannot be whole
+                return _error(_failed(u))  # this request's own failure: a 500; the others go on
+            reply.add(u)
+            if u.kind == DONE and u.remaining == 0:
+                return _json(reply.final())
 
     async def _run(self, request: Request, job: Job, reply: Reply) -> Response:
         loop = asyncio.get_running_loop()
@@ -388,17 +383,21 @@ class HttpFrontEnd:
             # headers go out now, as vLLM sends them; a failure later arrives as an error event in the stream
             return StreamingResponse(self._stream(job, updates, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        watch = [loop.time() + DISCONNECT_POLL_S]
-        while True:
-            u = await self._next(request, job, updates, watch)
-            if u is None:
-                return Response(status_code=499)
-            if u.kind == DONE and u.finish_reason == "error":
-                self.bridge.abort(job)  # one of its n sequences failed: the reply cannot be whole
-                return _error(_failed(u))  # this request's own failure: a 500; the others go on
-            reply.add(u)
-            if u.kind == DONE and u.remaining == 0:
-                return _json(reply.final())
+        # the reply races the client: a hang-up ends the wait at once and aborts the engine request
+        collect = asyncio.ensure_future(self._collect(job, updates, reply))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.bridge.abort(job)  # the server is stopping
+            raise
+        finally:
+            collect.cancel()
+            gone.cancel()
+        if collect.done() and not collect.cancelled():
+            return collect.result()
+        self.bridge.abort(job)
+        return Response(status_code=499)
 
     async def _stream(self, job: Job, updates: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
         done = False
