@@ -97,6 +97,34 @@ def test_late_subscriber_gets_events_and_malformed_frames_are_skipped():
         pub.close()
 
 
+def test_a_closing_publishers_last_events_and_bye_reach_a_subscriber_that_reads_late():
+    """A publisher that sends its last steps and a bye, then closes: the subscriber is told of the
+    disconnection before it reads them. It redialled first and zmq dropped them (a recording of a
+    watched vLLM lost its bye on a loaded machine); it must read what it holds before it redials."""
+    pub = ZmqPublisher(ANY)
+    sub = Subscriber(pub.addr)
+    try:
+        end, i = time.monotonic() + DEADLINE_S, 0
+        while sub.recv(5) is None and time.monotonic() < end:  # the slow joiner: until one arrives
+            pub.publish(StepEvent(i, 0.0, 0.0, 1))
+            i += 1
+        while sub.recv(50) is not None:
+            pass
+        for j in range(200):
+            pub.publish(StepEvent(10_000 + j, 0.0, 0.0, 1))
+        pub.publish(ByeEvent(10_200, 0.0))
+        pub.close()
+        assert sub._monitor.poll(int(DEADLINE_S * 1000)), "the subscriber was never told of the disconnection"
+        got = []
+        while (ev := sub.recv(200)) is not None:
+            got.append(ev)
+        assert [e.step for e in got if e.type == "step"] == list(range(10_000, 10_200))
+        assert got[-1].type == "bye"
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_subscriber_waits_for_a_publisher_that_does_not_exist_yet():
     probe = ZmqPublisher(ANY)  # find a free port, then free it
     addr = probe.addr

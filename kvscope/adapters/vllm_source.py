@@ -224,12 +224,13 @@ class VllmSource:
         self.replay_from(0)
         try:
             while not self._stop.is_set():
+                if sub.poll(POLL_MS):
+                    self.handle_frames(sub.recv_multipart())
+                    continue
+                # nothing left to read: a redial now loses none of what the publisher sent before it went
                 if redial_if_dropped(sub, monitor, self.state.kv_addr):
                     with self.lock:
                         self.state.kv.reconnects += 1
-                if not sub.poll(POLL_MS):
-                    continue
-                self.handle_frames(sub.recv_multipart())
         finally:
             sub.disable_monitor()
             monitor.close(0)

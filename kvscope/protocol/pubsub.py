@@ -260,7 +260,8 @@ def redial_if_dropped(sock, monitor, addr: str) -> bool:
 
     zmq drops a connection whose peer sent a frame over MAXMSGSIZE as a protocol error, and a connecting
     socket never reconnects after one: without this, one oversized frame leaves the socket deaf to that
-    address for good. Drains every pending event; True when it reconnected.
+    address for good. Drains every pending event; True when it reconnected. Call it only when `sock`
+    has nothing left to read: the redial drops the messages zmq still holds for the address.
     """
     zmq = zmq_module()
     dropped = False
@@ -323,10 +324,13 @@ class Subscriber(OwnsSocket):
         zmq = zmq_module()
         deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
         while True:
-            self._reconnect_if_dropped()
             try:
                 return self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                # Nothing left to read: only now answer a disconnection. A redial drops what zmq still
+                # holds for the address, which is a closing publisher's last events and its bye.
+                if self._reconnect_if_dropped():
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -334,9 +338,11 @@ class Subscriber(OwnsSocket):
                     if time.monotonic() >= deadline:
                         return None
 
-    def _reconnect_if_dropped(self) -> None:
+    def _reconnect_if_dropped(self) -> bool:
         if redial_if_dropped(self._sock, self._monitor, self.addr):
             self.reconnects += 1
+            return True
+        return False
 
     def close(self) -> None:
         if not self._closed:
