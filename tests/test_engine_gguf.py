@@ -157,6 +157,49 @@ def test_a_bench_serves_its_own_token_ids_to_their_lengths_on_a_text_model(smoll
     assert server.metrics.output_tokens == sum(it.max_tokens for it in items)
 
 
+def test_fused_bf16_layer_rounds_where_the_aten_ops_round(smollm2_path, chat_prompts):
+    """One layer of a real decode step on the blocks, fused (cpu_decoder.cpp's one-pass loops) against the ATen
+    ops it replaces, on the same inputs: the same rounding points, so nearly every bf16 value is the same bits
+    and the rest are a unit or two in the last place (a norm's sum in another order). A wrong rotary, slot
+    or activation differs everywhere."""
+    import dataclasses
+
+    llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", num_blocks=64, quantization="gguf")
+    native = llm.engine.runner.decoder.native
+    if native is None:
+        pytest.skip(f"the C++ layers are not loaded: {llm.engine.runner.decoder.native_why}")
+    captured = []
+    run = native.run
+
+    class Capture:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def run(self, hidden, cos, signed_sin, kv_cache, meta):
+            if not captured:
+                captured.append((hidden.clone(), cos, signed_sin, kv_cache.clone(), meta))
+            return run(hidden, cos, signed_sin, kv_cache, meta)
+
+    llm.engine.runner.decoder.native = Capture()
+    llm.generate(chat_prompts[:2], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert captured, "no decode-only step ran the C++ layers"
+    hidden, cos, signed_sin, kv_cache, meta = captured[0]
+    one = dataclasses.replace(native, weights=native.weights[:6], linear_types=native.linear_types[:4],
+                              optional=native.optional[:6], eps=native.eps[:4], scaling=native.scaling[:1],
+                              windows=native.windows[:1])
+    caches = {fused: kv_cache.clone() for fused in (False, True)}
+    out = {fused: dataclasses.replace(one, fused=fused).run(hidden, cos, signed_sin, caches[fused], meta)
+           for fused in (False, True)}
+    want, got = out[False].float(), out[True].float()
+    assert got.shape == want.shape and not torch.equal(hidden, out[True])
+    ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -100))) - 7)
+    assert ((want - got).abs() <= 2 * ulp).all(), f"max diff {(want - got).abs().max().item()}"
+    assert (want == got).float().mean().item() >= 0.95
+    written = caches[False][0] != kv_cache[0]
+    assert written.any(), "the step wrote its k and v"
+    assert (caches[True][0] == caches[False][0]).float().mean().item() >= 0.999
+
+
 def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smollm2_path, chat_prompts):
     """The trained model in bf16 (what --dtype auto runs on a CPU with AVX-512 BF16 or AMX), in every mode,
     against transformers in bf16 on the same weights. Last in this file: it loads the GGUF a second time,
@@ -173,6 +216,20 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
         outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
         assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"{mode}: only {agreed} tokens agreed"
+    # on the GGUF's blocks, with the work around the GEMMs in cpu_decoder.cpp's one-pass bf16 loops
+    llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", num_blocks=64, max_num_batched_tokens=48,
+              quantization="gguf")
+    decoder = llm.engine.runner.decoder
+    if decoder.native is not None:
+        from test_decoder import _Counted
+
+        assert decoder.native.fused, "every linear is on blocks: the bf16 steps fuse the work around them"
+        decoder.native = _Counted(decoder.native)
+    outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
+    assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"gguf blocks: only {agreed} tokens agreed"
+    if decoder.native is not None:
+        assert decoder.native.steps > 0, "decode-only steps ran the fused C++ layers"
 
 
 def test_greedy_under_vllm_scheduler_with_preemption_and_prefix_caching(smollm2, smollm2_path, chat_prompts):

@@ -25,6 +25,7 @@ from kvscope.kernels import cpu_attention
 from kvscope.kernels.metadata import AttentionMetadata
 
 CHOICE_ENV = "KVSCOPE_DECODE_LAYERS"  # "python": decoder.py's loop on every step
+FUSE_ENV = "KVSCOPE_FUSE_ELEMENTWISE"  # "0": the ATen ops around the GEMMs on GGUF blocks too (for comparing)
 
 
 def available() -> bool:
@@ -46,6 +47,8 @@ class NativeLayers:
     kv_size: int
     head_dim: int
     intermediate: int
+    # every linear on GGUF blocks: in bf16 the work around the GEMMs runs as one-pass loops (cpu_decoder.cpp)
+    fused: bool = False
 
     @classmethod
     def build(cls, layers: list, q_size: int, kv_size: int, head_dim: int,
@@ -69,7 +72,9 @@ class NativeLayers:
                     layer.k_norm.eps if layer.k_norm else 0.0]
             scaling.append(float(layer.scaling))
             windows.append(int(layer.window or 0))
-        return cls(weights, types, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate), ""
+        fused = all(types) and os.environ.get(FUSE_ENV, "").strip() != "0"
+        return cls(weights, types, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate,
+                   fused), ""
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor | None:
@@ -80,4 +85,4 @@ class NativeLayers:
         return torch.ops.kvscope.decode_layers(
             hidden, cos, signed_sin, kv_cache, meta.slot_mapping, plan.block_tables, plan.seq_lens, plan.seq_ids,
             plan.rows, self.weights, self.linear_types, self.optional, self.eps, self.scaling, self.windows,
-            self.q_size, self.kv_size, self.head_dim, self.intermediate)
+            self.q_size, self.kv_size, self.head_dim, self.intermediate, self.fused)

@@ -19,6 +19,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -85,13 +89,141 @@ void paged_attention(const Tensor& q, Tensor& out, const Tensor& k_cache, const 
   op.call(q, out, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scale, window);
 }
 
+// ---- one-pass elementwise work, for steps on a GGUF's blocks in bfloat16 (`fused`) -------------------
+//
+// On the blocks a decode step's GEMMs are short, and the ~25 small ATen calls per layer around them
+// (norms, rotary, cache writes, the activation, residual adds), at a few microseconds each, were a
+// fifth of a one-stream step. These loops do that work in one pass each, rounding to bfloat16 where
+// the ATen ops round, in the same order: only a norm's sum of squares is added in another order (and
+// silu's exp is libm's), so a result can differ from the ATen ops' in its last bit, rarely; greedy
+// tokens are checked against the unfused loop and the dense model (tests/test_engine_gguf.py).
+
+using Bf16 = c10::BFloat16;
+
+inline float bf(float x) { return static_cast<float>(Bf16(x)); }  // round to nearest even, as ATen
+
+// out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)): decoder.py's Norm.
+void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64_t width, double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bf16* xr = x + r * width;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < width; ++i) {
+      const float v = static_cast<float>(xr[i]);
+      sum += v * v;
+    }
+    const float scale = 1.f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
+    Bf16* o = out + r * width;
+    for (int64_t i = 0; i < width; ++i) o[i] = Bf16(static_cast<float>(w[i]) * bf(static_cast<float>(xr[i]) * scale));
+  }
+}
+
+// Rotary on the first `heads` heads of each row of qkv [rows, stride] (q's heads, then k's), in place:
+// x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded (decoder.py's _rope).
+void fused_rope(Bf16* qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d, const Bf16* cos,
+                const Bf16* signed_sin) {
+  const int64_t half = d / 2;
+  std::vector<float> x(static_cast<size_t>(d));
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bf16* c = cos + r * d;
+    const Bf16* s = signed_sin + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      Bf16* v = qkv + r * stride + h * d;
+      for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(v[i]);
+      for (int64_t i = 0; i < d; ++i) {
+        const float rolled = x[(i + half) % d];
+        v[i] = Bf16(bf(x[i] * static_cast<float>(c[i])) + bf(rolled * static_cast<float>(s[i])));
+      }
+    }
+  }
+}
+
+// h += y, rounded (a residual add in bfloat16).
+void fused_add(Bf16* h, const Bf16* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = Bf16(static_cast<float>(h[i]) + static_cast<float>(y[i]));
+}
+
+// out[r] = bf16(silu(gate)) * up, rounded, from gate_up [rows, 2 * inter].
+void fused_silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inter) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Bf16* g = gate_up + r * 2 * inter;
+    const Bf16* u = g + inter;
+    Bf16* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = static_cast<float>(g[i]);
+      o[i] = Bf16(bf(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+// The rows' k and v (in qkv at `k_at` and `v_at`) into their cache slots: kv_heads * d values each.
+void fused_write_kv(const Bf16* qkv, int64_t rows, int64_t stride, int64_t k_at, int64_t v_at, int64_t size,
+                    const int64_t* slots, Bf16* k_cache, Bf16* v_cache) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (slots[r] < 0) continue;  // a padded row (as index_copy_ would refuse, none are sent)
+    std::memcpy(k_cache + slots[r] * size, qkv + r * stride + k_at, size * sizeof(Bf16));
+    std::memcpy(v_cache + slots[r] * size, qkv + r * stride + v_at, size * sizeof(Bf16));
+  }
+}
+
+// One decode layer's work around its GEMMs in the loops above; h [t, width] is updated in place.
+void fused_layer(Tensor& h, const Tensor* w, const int64_t* type, const std::optional<Tensor>* bias,
+                 const double* e, const Tensor& cos, const Tensor& signed_sin, const Tensor& k_cache,
+                 const Tensor& v_cache, const Tensor& slots, const Tensor& block_tables, const Tensor& seq_lens,
+                 const Tensor& seq_ids, const Tensor& rows, double scaling, int64_t window, int64_t q_size,
+                 int64_t kv_size, int64_t d, int64_t intermediate) {
+  const int64_t t = h.size(0), width = h.size(1), heads = q_size / d, stride = q_size + 2 * kv_size;
+  Bf16* hp = h.data_ptr<Bf16>();
+  Tensor x = at::empty_like(h);
+  fused_rms_norm(hp, w[0].data_ptr<Bf16>(), x.data_ptr<Bf16>(), t, width, e[0]);
+  Tensor qkv = linear(x, w[1], type[0], bias[0]).contiguous();
+  Bf16* qp = qkv.data_ptr<Bf16>();
+  fused_rope(qp, t, stride, heads + kv_size / d, d, cos.data_ptr<Bf16>(), signed_sin.data_ptr<Bf16>());
+  fused_write_kv(qp, t, stride, q_size, q_size + kv_size, kv_size, slots.data_ptr<int64_t>(),
+                 k_cache.data_ptr<Bf16>(), v_cache.data_ptr<Bf16>());
+  const Tensor q = qkv.slice(1, 0, q_size).view({t, heads, d});
+  Tensor attn = at::empty({t, heads, d}, h.options());
+  paged_attention(q, attn, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scaling, window);
+  Tensor o = linear(attn.view({t, q_size}), w[2], type[1], bias[1]).contiguous();
+  fused_add(hp, o.data_ptr<Bf16>(), t * width);
+  fused_rms_norm(hp, w[3].data_ptr<Bf16>(), x.data_ptr<Bf16>(), t, width, e[1]);
+  Tensor gate_up = linear(x, w[4], type[2], bias[2]).contiguous();
+  Tensor act = at::empty({t, intermediate}, h.options());
+  fused_silu_mul(gate_up.data_ptr<Bf16>(), act.data_ptr<Bf16>(), t, intermediate);
+  Tensor down = linear(act, w[5], type[3], bias[3]).contiguous();
+  fused_add(hp, down.data_ptr<Bf16>(), t * width);
+}
+
+// Whether fused_layer can run this step: bfloat16 throughout, every linear on GGUF blocks, no q/k norms.
+bool can_fuse(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, const Tensor& kv_cache,
+              const Tensor& slots, at::IntArrayRef linear_types, const c10::List<std::optional<Tensor>>& optional,
+              at::TensorList weights) {
+  auto bf16 = [](const Tensor& x) { return x.scalar_type() == at::kBFloat16 && x.is_contiguous(); };
+  if (!bf16(h) || !bf16(kv_cache) || slots.scalar_type() != at::kLong || !slots.is_contiguous()) return false;
+  // cos/sin [T, 1, D]: one row per token, contiguous
+  if (cos.scalar_type() != at::kBFloat16 || !cos.is_contiguous() || !signed_sin.is_contiguous() ||
+      signed_sin.scalar_type() != at::kBFloat16 || cos.numel() != signed_sin.numel() || slots.numel() != h.size(0))
+    return false;
+  for (int64_t type : linear_types)
+    if (type == 0) return false;
+  for (size_t i = 0; i < optional.size(); ++i) {
+    const std::optional<Tensor> o = optional.get(i);
+    if (!o.has_value()) continue;
+    if (i % kOptionalPerLayer >= 4) return false;  // Qwen3's q/k norms: the ATen loop
+    if (!bf16(*o)) return false;
+  }
+  for (size_t i = 0; i < weights.size(); i += kWeightsPerLayer)
+    if (!bf16(weights[i]) || !bf16(weights[i + 3])) return false;  // the norms' weights
+  return true;
+}
+
 // hidden [T, width] after the embedding -> hidden after the last layer (before the final norm).
 Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& signed_sin, const Tensor& kv_cache,
                      const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
                      const Tensor& seq_ids, const Tensor& rows, at::TensorList weights,
                      at::IntArrayRef linear_types, const c10::List<std::optional<Tensor>>& optional, at::ArrayRef<double> eps,
                      at::ArrayRef<double> scaling, at::IntArrayRef windows, int64_t q_size, int64_t kv_size,
-                     int64_t head_dim, int64_t intermediate) {
+                     int64_t head_dim, int64_t intermediate, bool fused) {
   const int64_t layers = static_cast<int64_t>(scaling.size());
   TORCH_CHECK(hidden.dim() == 2, "decode_layers: hidden must be [T, width]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
@@ -104,6 +236,20 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
               "decode_layers: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous");
   TORCH_CHECK(q_size % head_dim == 0 && kv_size % head_dim == 0, "decode_layers: sizes not in whole heads");
   const int64_t t = hidden.size(0), d = head_dim, heads = q_size / d, kv_heads = kv_size / d;
+  if (fused && can_fuse(hidden, cos, signed_sin, kv_cache, slot_mapping, linear_types, optional, weights) &&
+      cos.numel() == t * d) {
+    Tensor h = hidden.clone();
+    for (int64_t i = 0; i < layers; ++i) {
+      std::optional<Tensor> bias[4];
+      for (int64_t j = 0; j < 4; ++j) bias[j] = optional.get(i * kOptionalPerLayer + j);
+      const Tensor layer_cache = kv_cache.select(0, i);
+      fused_layer(h, &weights[i * kWeightsPerLayer], &linear_types[i * kLinearsPerLayer], bias,
+                  &eps[i * kEpsPerLayer], cos, signed_sin, layer_cache.select(0, 0), layer_cache.select(0, 1),
+                  slot_mapping, block_tables, seq_lens, seq_ids, rows, scaling[i], windows[i], q_size, kv_size, d,
+                  intermediate);
+    }
+    return h;
+  }
   Tensor h = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = &weights[i * kWeightsPerLayer];
@@ -146,7 +292,7 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor[] weights, "
         "int[] linear_types, Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
-        "int head_dim, int intermediate) -> Tensor");
+        "int head_dim, int intermediate, bool fused=False) -> Tensor");
 }
 
 // The packed weights are oneDNN tensors (dispatch key MkldnnCPU), which outrank CPU in dispatch.
