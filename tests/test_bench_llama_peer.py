@@ -104,3 +104,15 @@ def test_the_llama_cpp_child_serves_one_at_a_time_and_reports_its_times():
     out = serve_all(FakeLlama(), [([1, 2], 3), ([3], 2)])
     assert out["tokens"] == 5 and len(out["ttft"]) == 2 and len(out["itl"]) == 3
     assert out["ttft"][0] <= out["ttft"][1] <= out["span"]
+
+
+def test_a_peer_killed_by_a_signal_says_which_and_what_to_do():
+    """A llama-cpp-python built for another CPU dies of SIGILL in the child: "exit status -4" told nobody why."""
+    import signal
+
+    from kvscope.bench.llama_peer import _exit_status
+
+    assert _exit_status(1) == "exit status 1"
+    assert _exit_status(-signal.SIGKILL) == "killed by SIGKILL"
+    ill = _exit_status(-signal.SIGILL)
+    assert ill.startswith("killed by SIGILL") and "rebuild" in ill and "\n" not in ill

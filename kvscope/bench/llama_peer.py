@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +65,20 @@ def load_llama(path: str, threads: int, n_ctx: int):
                  verbose=False, seed=0)
 
 
+def _exit_status(code: int) -> str:
+    """A child's exit in words: a negative code is the signal that killed it."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGILL":
+        return ("killed by SIGILL (an illegal instruction): llama-cpp-python was built for instructions this CPU "
+                "does not run; rebuild it here: pip install --no-cache-dir --force-reinstall llama-cpp-python")
+    return f"killed by {name}"
+
+
 def check_available() -> None:
     """Before minutes are spent on the other rows."""
     try:
@@ -88,7 +103,7 @@ def llama_cpp_row(config: EngineConfig, items, threads: int, sixteen_bit: str | 
     proc = subprocess.run([sys.executable, "-m", "kvscope.bench.llama_peer"], input=json.dumps(job), text=True,
                           capture_output=True, env=user_environment())
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        last = (proc.stderr.strip().splitlines() or [_exit_status(proc.returncode)])[-1]
         raise KvscopeError(f"peer {NAME} failed on {os.path.basename(path)}: {last}")
     out = json.loads(proc.stdout)
     return Row.from_samples(f"{NAME}-{sixteen_bit}" if sixteen_bit else NAME, out["ttft"], out["itl"], out["tokens"],
