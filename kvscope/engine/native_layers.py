@@ -10,6 +10,10 @@ It serves steps whose rows are all decodes, on layers decoder.py could fuse and 
 could pack, or that run on a GGUF's blocks (gguf_blocks.py); anything else (a prefill chunk, a
 model whose linear layers are not packed, the torch reference attention) runs the Python loop. KVSCOPE_DECODE_LAYERS=python forces the loop, for
 comparing.
+
+On GGUF blocks in bf16 (`fused`), the work around the GEMMs runs as cpu_decoder.cpp's one-pass
+loops instead of the ATen ops: rounded at the same points, but not always the same last bit
+(docs/KERNELS.md); KVSCOPE_FUSE_ELEMENTWISE=0 keeps the ATen ops.
 """
 
 from __future__ import annotations
