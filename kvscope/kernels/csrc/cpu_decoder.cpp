@@ -119,11 +119,10 @@ void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64
 }
 
 // Rotary on the first `heads` heads of each row of qkv [rows, stride] (q's heads, then k's), in place:
-// x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded (decoder.py's _rope).
+// x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded (decoder.py's _rope). `x`: d floats.
 void fused_rope(Bf16* qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d, const Bf16* cos,
-                const Bf16* signed_sin) {
+                const Bf16* signed_sin, float* x) {
   const int64_t half = d / 2;
-  std::vector<float> x(static_cast<size_t>(d));
   for (int64_t r = 0; r < rows; ++r) {
     const Bf16* c = cos + r * d;
     const Bf16* s = signed_sin + r * d;
@@ -166,43 +165,49 @@ void fused_write_kv(const Bf16* qkv, int64_t rows, int64_t stride, int64_t k_at,
   }
 }
 
+// What every layer of a fused step shares: the step's inputs, its sizes, and buffers reused layer after layer.
+struct FusedStep {
+  const Tensor &cos, &signed_sin, &slots, &block_tables, &seq_lens, &seq_ids, &rows;
+  int64_t q_size, kv_size, d, intermediate;
+  Tensor x, attn, act;          // the normed input, attention's output, silu(gate) * up
+  std::vector<float> rope_row;  // one head, widened
+};
+
 // One decode layer's work around its GEMMs in the loops above; h [t, width] is updated in place.
-void fused_layer(Tensor& h, const Tensor* w, const int64_t* type, const std::optional<Tensor>* bias,
-                 const double* e, const Tensor& cos, const Tensor& signed_sin, const Tensor& k_cache,
-                 const Tensor& v_cache, const Tensor& slots, const Tensor& block_tables, const Tensor& seq_lens,
-                 const Tensor& seq_ids, const Tensor& rows, double scaling, int64_t window, int64_t q_size,
-                 int64_t kv_size, int64_t d, int64_t intermediate) {
-  const int64_t t = h.size(0), width = h.size(1), heads = q_size / d, stride = q_size + 2 * kv_size;
+void fused_layer(Tensor& h, FusedStep& s, const Tensor* w, const int64_t* type, const std::optional<Tensor>* bias,
+                 const double* e, const Tensor& k_cache, const Tensor& v_cache, double scaling, int64_t window) {
+  const int64_t t = h.size(0), width = h.size(1), d = s.d, heads = s.q_size / d;
+  const int64_t stride = s.q_size + 2 * s.kv_size;
   Bf16* hp = h.data_ptr<Bf16>();
-  Tensor x = at::empty_like(h);
-  fused_rms_norm(hp, w[0].data_ptr<Bf16>(), x.data_ptr<Bf16>(), t, width, e[0]);
-  Tensor qkv = linear(x, w[1], type[0], bias[0]).contiguous();
+  Bf16* xp = s.x.data_ptr<Bf16>();
+  fused_rms_norm(hp, w[0].data_ptr<Bf16>(), xp, t, width, e[0]);
+  Tensor qkv = linear(s.x, w[1], type[0], bias[0]).contiguous();
   Bf16* qp = qkv.data_ptr<Bf16>();
-  fused_rope(qp, t, stride, heads + kv_size / d, d, cos.data_ptr<Bf16>(), signed_sin.data_ptr<Bf16>());
-  fused_write_kv(qp, t, stride, q_size, q_size + kv_size, kv_size, slots.data_ptr<int64_t>(),
+  fused_rope(qp, t, stride, heads + s.kv_size / d, d, s.cos.data_ptr<Bf16>(), s.signed_sin.data_ptr<Bf16>(),
+             s.rope_row.data());
+  fused_write_kv(qp, t, stride, s.q_size, s.q_size + s.kv_size, s.kv_size, s.slots.data_ptr<int64_t>(),
                  k_cache.data_ptr<Bf16>(), v_cache.data_ptr<Bf16>());
-  const Tensor q = qkv.slice(1, 0, q_size).view({t, heads, d});
-  Tensor attn = at::empty({t, heads, d}, h.options());
-  paged_attention(q, attn, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scaling, window);
-  Tensor o = linear(attn.view({t, q_size}), w[2], type[1], bias[1]).contiguous();
+  const Tensor q = qkv.slice(1, 0, s.q_size).view({t, heads, d});
+  paged_attention(q, s.attn, k_cache, v_cache, s.block_tables, s.seq_lens, s.seq_ids, s.rows, scaling, window);
+  Tensor o = linear(s.attn.view({t, s.q_size}), w[2], type[1], bias[1]).contiguous();
   fused_add(hp, o.data_ptr<Bf16>(), t * width);
-  fused_rms_norm(hp, w[3].data_ptr<Bf16>(), x.data_ptr<Bf16>(), t, width, e[1]);
-  Tensor gate_up = linear(x, w[4], type[2], bias[2]).contiguous();
-  Tensor act = at::empty({t, intermediate}, h.options());
-  fused_silu_mul(gate_up.data_ptr<Bf16>(), act.data_ptr<Bf16>(), t, intermediate);
-  Tensor down = linear(act, w[5], type[3], bias[3]).contiguous();
+  fused_rms_norm(hp, w[3].data_ptr<Bf16>(), xp, t, width, e[1]);
+  Tensor gate_up = linear(s.x, w[4], type[2], bias[2]).contiguous();
+  fused_silu_mul(gate_up.data_ptr<Bf16>(), s.act.data_ptr<Bf16>(), t, s.intermediate);
+  Tensor down = linear(s.act, w[5], type[3], bias[3]).contiguous();
   fused_add(hp, down.data_ptr<Bf16>(), t * width);
 }
 
 // Whether fused_layer can run this step: bfloat16 throughout, every linear on GGUF blocks, no q/k norms.
-bool can_fuse(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, const Tensor& kv_cache,
+bool can_fuse(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, int64_t head_dim, const Tensor& kv_cache,
               const Tensor& slots, at::IntArrayRef linear_types, const c10::List<std::optional<Tensor>>& optional,
               at::TensorList weights) {
   auto bf16 = [](const Tensor& x) { return x.scalar_type() == at::kBFloat16 && x.is_contiguous(); };
   if (!bf16(h) || !bf16(kv_cache) || slots.scalar_type() != at::kLong || !slots.is_contiguous()) return false;
   // cos/sin [T, 1, D]: one row per token, contiguous
   if (cos.scalar_type() != at::kBFloat16 || !cos.is_contiguous() || !signed_sin.is_contiguous() ||
-      signed_sin.scalar_type() != at::kBFloat16 || cos.numel() != signed_sin.numel() || slots.numel() != h.size(0))
+      signed_sin.scalar_type() != at::kBFloat16 || cos.numel() != h.size(0) * head_dim ||
+      signed_sin.numel() != cos.numel() || slots.numel() != h.size(0))
     return false;
   for (int64_t type : linear_types)
     if (type == 0) return false;
@@ -236,17 +241,17 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
               "decode_layers: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous");
   TORCH_CHECK(q_size % head_dim == 0 && kv_size % head_dim == 0, "decode_layers: sizes not in whole heads");
   const int64_t t = hidden.size(0), d = head_dim, heads = q_size / d, kv_heads = kv_size / d;
-  if (fused && can_fuse(hidden, cos, signed_sin, kv_cache, slot_mapping, linear_types, optional, weights) &&
-      cos.numel() == t * d) {
+  if (fused && can_fuse(hidden, cos, signed_sin, d, kv_cache, slot_mapping, linear_types, optional, weights)) {
+    FusedStep step{cos, signed_sin, slot_mapping, block_tables, seq_lens, seq_ids, rows, q_size, kv_size, d,
+                   intermediate, at::empty_like(hidden), at::empty({t, heads, d}, hidden.options()),
+                   at::empty({t, intermediate}, hidden.options()), std::vector<float>(static_cast<size_t>(d))};
     Tensor h = hidden.clone();
     for (int64_t i = 0; i < layers; ++i) {
       std::optional<Tensor> bias[4];
       for (int64_t j = 0; j < 4; ++j) bias[j] = optional.get(i * kOptionalPerLayer + j);
       const Tensor layer_cache = kv_cache.select(0, i);
-      fused_layer(h, &weights[i * kWeightsPerLayer], &linear_types[i * kLinearsPerLayer], bias,
-                  &eps[i * kEpsPerLayer], cos, signed_sin, layer_cache.select(0, 0), layer_cache.select(0, 1),
-                  slot_mapping, block_tables, seq_lens, seq_ids, rows, scaling[i], windows[i], q_size, kv_size, d,
-                  intermediate);
+      fused_layer(h, step, &weights[i * kWeightsPerLayer], &linear_types[i * kLinearsPerLayer], bias,
+                  &eps[i * kEpsPerLayer], layer_cache.select(0, 0), layer_cache.select(0, 1), scaling[i], windows[i]);
     }
     return h;
   }
