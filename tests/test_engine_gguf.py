@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 
 from conftest import HFReference  # noqa: E402
 from kvscope.engine import LLM, SamplingParams  # noqa: E402
+from kvscope.kernels import gguf_linear  # noqa: E402
 
 MODEL = "smollm2-135m"
 MODES = ("naive", "static", "continuous", "chunked")
@@ -224,6 +225,8 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
         from test_decoder import _Counted
 
         assert decoder.native.fused, "every linear is on blocks: the bf16 steps fuse the work around them"
+        if torch.ops.kvscope.gguf_x16():  # the Q4_1 layers repacked for the x16 kernel; the Q8_0 lm_head as it is
+            assert set(decoder.native.linear_types) == {gguf_linear.X16 + 3}
         decoder.native = _Counted(decoder.native)
     outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
@@ -269,9 +272,10 @@ def test_greedy_on_the_gguf_blocks_matches_transformers(smollm2, smollm2_path, c
 
 
 def test_gguf_blocks_in_bf16_stay_beside_the_dequantized_model(smollm2_path, chat_prompts):
-    """In bf16 the blocks widen to the bf16 weights the dequantized model holds, so the blocks' logits are as near
-    the float32 model's as the dense bf16 model's are: both differ from it by bf16 rounding in another order. The
-    bound is the dense model's own distance on this CPU (oneDNN's order differs between CPUs), not a constant."""
+    """In bf16 the blocks widen to the bf16 weights the dequantized model holds (or, repacked as x16 lines, multiply
+    the unrounded ones), so the blocks' logits are as near the float32 model's as the dense bf16 model's are: both
+    differ from it by bf16 rounding in another order. The bound is the dense model's own distance on this CPU
+    (oneDNN's order differs between CPUs), not a constant."""
     prompt = chat_prompts[0]
     logits, tokens = {}, {}
     for dtype, quantization in (("float32", None), ("bfloat16", None), ("bfloat16", "gguf")):

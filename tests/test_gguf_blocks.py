@@ -86,6 +86,68 @@ def test_linear_is_a_dense_gemm_up_to_summation_order(name, dtype, rows):
     assert torch.allclose(got.double(), ref.double(), rtol=2 * tol, atol=2 * tol * want.abs().max().item())
 
 
+X16_TYPES = {"Q4_0": 2, "Q4_1": 3}
+
+
+def _x16_here() -> bool:
+    return _op_loaded() and torch.ops.kvscope.gguf_x16()
+
+
+@pytest.mark.parametrize("name", list(X16_TYPES))
+def test_x16_lines_hold_the_same_weights_as_the_blocks(name):
+    """pack_x16 reorders bytes only: unpacking gives the blocks back, and the C++ op widens the lines to the
+    very values it widens the file's blocks to, bit for bit, in both dtypes."""
+    ggml_type = X16_TYPES[name]
+    blocks = random_blocks(48, 160, ggml_type, seed=3)
+    lines = gguf_linear.pack_x16(blocks, ggml_type)
+    x16 = gguf_linear.X16 + ggml_type
+    assert lines.shape == (3, 16 * blocks.shape[1])
+    assert torch.equal(gguf_linear.unpack_x16(lines, x16), blocks)
+    assert (gguf_linear.in_features(lines, x16), gguf_linear.out_features(lines, x16)) == (160, 48)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = gguf_linear.dequantize_reference(blocks, ggml_type, dtype)
+        assert torch.equal(gguf_linear.dequantize_reference(lines, x16, dtype), want)
+        if _op_loaded():
+            got = torch.ops.kvscope.gguf_dequantize(lines, x16, dtype)
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("name", list(X16_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 33])  # row tiles of 4, a remainder, the dense path
+def test_x16_linear_multiplies_the_files_exact_weights(name, rows):
+    """On x16 lines the op multiplies the unrounded weights (d q + m in float32) into float32: its bf16
+    output is the exact product rounded once, but for the summation's last bits at a rounding boundary."""
+    if not _x16_here():
+        pytest.skip("the x16 kernel needs AVX-512 BF16")
+    ggml_type = X16_TYPES[name]
+    blocks = random_blocks(64, 192, ggml_type, seed=rows)
+    lines = gguf_linear.pack_x16(blocks, ggml_type)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    exact = torch.nn.functional.linear(x.double(), gguf_py(blocks, ggml_type).double(), bias.double())
+    got = torch.ops.kvscope.gguf_linear(x, lines, gguf_linear.X16 + ggml_type, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 64)
+    if rows > 32:  # the dense path: the weights rounded to bf16 first, as a dequantized model holds them
+        assert torch.allclose(got.double(), exact, rtol=8e-3, atol=8e-3 * exact.abs().max().item())
+        return
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(2.0 ** -10)  # one bf16 step at each value
+    assert ((got.double() - exact).abs() <= 0.5 * ulp + 1e-5 * exact.abs().max()).all()
+    assert (got == exact.to(torch.bfloat16)).float().mean().item() >= 0.98
+
+
+def test_kernel_layout_packs_only_what_the_x16_kernel_multiplies():
+    blocks = random_blocks(48, 64, 3)
+    if _x16_here():
+        lines, kind = gguf_linear.kernel_layout(blocks, 3, torch.bfloat16)
+        assert kind == gguf_linear.X16 + 3 and torch.equal(gguf_linear.unpack_x16(lines, kind), blocks)
+        assert gguf_linear.format_of(kind).name == "Q4_1x16"
+    for b, t, dtype in ((blocks, 3, torch.float32), (random_blocks(48, 64, 8), 8, torch.bfloat16),
+                        (random_blocks(40, 64, 3), 3, torch.bfloat16)):  # float32, Q8_0, rows not whole lines
+        same, kind = gguf_linear.kernel_layout(b, t, dtype)
+        assert same is b and kind == t
+
+
 def test_the_op_refuses_bad_shapes_in_one_line():
     if not _op_loaded():
         pytest.skip("the CPU kernels did not build here")

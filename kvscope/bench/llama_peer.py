@@ -74,8 +74,12 @@ def _exit_status(code: int) -> str:
     except ValueError:
         name = f"signal {-code}"
     if name == "SIGILL":
-        return ("killed by SIGILL (an illegal instruction): llama-cpp-python was built for instructions this CPU "
-                "does not run; rebuild it here: pip install --no-cache-dir --force-reinstall llama-cpp-python")
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        return ("killed by SIGILL (an illegal instruction): llama-cpp-python runs instructions this CPU does not "
+                "(a build for another CPU, or AMX tiles in a VM that faults on them); rebuild it here, without AMX "
+                f"where the CPU has it: CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='{no_amx}' "
+                f"-DCMAKE_CXX_FLAGS='{no_amx}'\" pip install --no-cache-dir --force-reinstall llama-cpp-python "
+                "(docs/BENCHMARKS.md)")
     return f"killed by {name}"
 
 

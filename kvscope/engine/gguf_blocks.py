@@ -6,9 +6,11 @@ so on a CPU the step costs what the memory takes to deliver those bytes. llama.c
 file's blocks as they are (97 MB for the same model in Q4_1). With this setting kvscope does
 too, as vLLM does with its own `--quantization gguf`: each linear layer keeps its blocks (read
 from the file once per process), and kvscope/kernels/gguf_linear.py's op widens each block in
-registers as it multiplies. The weights are the values transformers' dequantizer gives, rounded
-to the engine's dtype, so only the summation order differs from the dense model's GEMM
-(tests/test_gguf_blocks.py checks both the weights and the greedy tokens).
+registers as it multiplies. The weights are the values transformers' dequantizer gives: rounded
+to the engine's dtype, so that only the summation order differs from the dense model's GEMM, or,
+for 4-bit blocks under bf16 on AVX-512 BF16 (repacked 16 rows at a time at load: the x16 layout),
+unrounded, so that the product is the exact one rounded once (tests/test_gguf_blocks.py checks the
+weights and the products, tests/test_engine_gguf.py the greedy tokens).
 
 llama.cpp's converter permutes the rows of a llama model's q and k weights (its rotary layout);
 transformers' loader undoes that, and so does this module, on whole rows of blocks. Before the
@@ -54,7 +56,7 @@ class GgufLinear(torch.nn.Module):
         self.blocks = blocks  # a plain attribute: uint8, not a parameter
         self.ggml_type = ggml_type
         self.bias = bias
-        self.out_features = blocks.shape[0]
+        self.out_features = gguf_linear.out_features(blocks, ggml_type)
         self.in_features = gguf_linear.in_features(blocks, ggml_type)
         self.dense = dense
 
@@ -85,7 +87,7 @@ class GgufLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{gguf_linear.FORMATS[self.ggml_type].name} blocks")
+                f"{gguf_linear.format_of(self.ggml_type).name} blocks")
 
 
 @dataclass(frozen=True)
@@ -110,11 +112,21 @@ class GgufWeights:
         """The bytes a decode token reads: every linear layer's blocks and the lm_head's."""
         return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers for m in layer.linears())
 
+    def in_kernel_layout(self, dtype: torch.dtype) -> GgufWeights:
+        """The same weights, each in the layout the op multiplies fastest for `dtype` here (the 4-bit types
+        repacked 16 rows at a time for bf16 on AVX-512 BF16: kernels/gguf_linear.py's kernel_layout)."""
+        def relaid(m: GgufLinear) -> GgufLinear:
+            return GgufLinear(*gguf_linear.kernel_layout(m.blocks, m.ggml_type, dtype), m.dense, m.bias)
+        return GgufWeights(self.path, [LayerLinears(*map(relaid, layer.linears())) for layer in self.layers],
+                           relaid(self.lm_head))
+
     def describe(self) -> str:
-        kinds = sorted({gguf_linear.FORMATS[m.ggml_type].name for layer in self.layers for m in layer.linears()})
-        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks, lm_head on its "
-                f"{gguf_linear.FORMATS[self.lm_head.ggml_type].name} ({self.nbytes / 2**20:,.0f} MiB read per token, "
-                "held beside the dense weights)")
+        types = {m.ggml_type for layer in self.layers for m in layer.linears()}
+        kinds = sorted({gguf_linear.FORMATS[t % gguf_linear.X16].name for t in types})
+        repacked = " (repacked 16 rows at a time)" if types & gguf_linear.X16_FORMATS.keys() else ""
+        head = gguf_linear.format_of(self.lm_head.ggml_type).name
+        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}, "
+                f"lm_head on its {head} ({self.nbytes / 2**20:,.0f} MiB read per token, held beside the dense weights)")
 
 
 def _read(path: str, header: GgufHeader, name: str, size: int) -> tuple[torch.Tensor, int]:
@@ -215,5 +227,6 @@ def load(path: str, model: torch.nn.Module) -> GgufWeights:
     _last = None
     weights = read_weights(path, model.config)
     check_against(weights, model)
+    weights = weights.in_kernel_layout(model.get_input_embeddings().weight.dtype)
     _last = (key, weights)
     return weights
