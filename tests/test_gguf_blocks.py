@@ -86,7 +86,7 @@ def test_linear_is_a_dense_gemm_up_to_summation_order(name, dtype, rows):
     assert torch.allclose(got.double(), ref.double(), rtol=2 * tol, atol=2 * tol * want.abs().max().item())
 
 
-X16_TYPES = {"Q4_0": 2, "Q4_1": 3}
+X16_TYPES = TYPES
 
 
 def _x16_here() -> bool:
@@ -142,8 +142,8 @@ def test_kernel_layout_packs_only_what_the_x16_kernel_multiplies():
         lines, kind = gguf_linear.kernel_layout(blocks, 3, torch.bfloat16)
         assert kind == gguf_linear.X16 + 3 and torch.equal(gguf_linear.unpack_x16(lines, kind), blocks)
         assert gguf_linear.format_of(kind).name == "Q4_1x16"
-    for b, t, dtype in ((blocks, 3, torch.float32), (random_blocks(48, 64, 8), 8, torch.bfloat16),
-                        (random_blocks(40, 64, 3), 3, torch.bfloat16)):  # float32, Q8_0, rows not whole lines
+    for b, t, dtype in ((blocks, 3, torch.float32), (random_blocks(48, 64, 8), 8, torch.float32),
+                        (random_blocks(40, 64, 3), 3, torch.bfloat16)):  # float32, rows not whole lines
         same, kind = gguf_linear.kernel_layout(b, t, dtype)
         assert same is b and kind == t
 

@@ -113,8 +113,8 @@ class GgufWeights:
         return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers for m in layer.linears())
 
     def in_kernel_layout(self, dtype: torch.dtype) -> GgufWeights:
-        """The same weights, each in the layout the op multiplies fastest for `dtype` here (the 4-bit types
-        repacked 16 rows at a time for bf16 on AVX-512 BF16: kernels/gguf_linear.py's kernel_layout)."""
+        """The same weights, each in the layout the op multiplies fastest for `dtype` here (repacked 16 rows at
+        a time for bf16 on AVX-512 BF16: kernels/gguf_linear.py's kernel_layout)."""
         def relaid(m: GgufLinear) -> GgufLinear:
             return GgufLinear(*gguf_linear.kernel_layout(m.blocks, m.ggml_type, dtype), m.dense, m.bias)
         return GgufWeights(self.path, [LayerLinears(*map(relaid, layer.linears())) for layer in self.layers],
@@ -124,7 +124,7 @@ class GgufWeights:
         types = {m.ggml_type for layer in self.layers for m in layer.linears()}
         kinds = sorted({gguf_linear.FORMATS[t % gguf_linear.X16].name for t in types})
         repacked = " (repacked 16 rows at a time)" if types & gguf_linear.X16_FORMATS.keys() else ""
-        head = gguf_linear.format_of(self.lm_head.ggml_type).name
+        head = gguf_linear.FORMATS[self.lm_head.ggml_type % gguf_linear.X16].name
         return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}, "
                 f"lm_head on its {head} ({self.nbytes / 2**20:,.0f} MiB read per token, held beside the dense weights)")
 

@@ -12,9 +12,9 @@ ggml-common.h, with gguf-py's dequantization (what transformers loads a GGUF wit
 and rounded to the activations' dtype, as a model dequantized into that dtype holds them; the C++ op
 then multiplies in float32. `linear` uses the op where the library is loaded, else the reference.
 
-`kernel_layout` repacks a 4-bit weight for bf16 activations on a CPU with AVX-512 BF16 into the x16
-layout (types X16 + 2 and X16 + 3, kvscope's own ids): 16 rows interleaved per line, so that a vector's
-16 lanes are 16 outputs (csrc/cpu_gguf.cpp's x16_line describes the bytes; `pack_x16` and `unpack_x16`
+`kernel_layout` repacks a weight for bf16 activations on a CPU with AVX-512 BF16 into the x16 layout
+(types X16 + 2, 3 and 8, kvscope's own ids): 16 rows interleaved per line, so that a vector's 16 lanes
+are 16 outputs (csrc/cpu_gguf.cpp's x16_line describes the bytes; `pack_x16` and `unpack_x16`
 here are its torch reference). The same bytes, in another order; the op multiplies the file's exact
 weights (d q + m in float32, not rounded to bf16) into float32.
 """
@@ -40,10 +40,10 @@ class BlockFormat:
 
 # GGML type ids (ggml.h) that kvscope multiplies without dequantizing first: what a file may hold
 FORMATS = {2: BlockFormat("Q4_0", 18), 3: BlockFormat("Q4_1", 20), 8: BlockFormat("Q8_0", 34)}
-# kvscope's own ids for the 4-bit types repacked into the x16 layout: never read from a file
+# kvscope's own ids for the types repacked into the x16 layout: never read from a file
 X16 = 1000
 X16_ROWS = 16
-X16_FORMATS = {X16 + t: BlockFormat(f"{FORMATS[t].name}x16", FORMATS[t].nbytes, X16_ROWS) for t in (2, 3)}
+X16_FORMATS = {X16 + t: BlockFormat(f"{f.name}x16", f.nbytes, X16_ROWS) for t, f in FORMATS.items()}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -60,51 +60,63 @@ def out_features(blocks: torch.Tensor, ggml_type: int) -> int:
     return blocks.shape[0] * format_of(ggml_type).rows
 
 
-def _x16_order() -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of a line's 256 nibble bytes per block: its row (of 16) and the weight k (of 32) in its low
-    nibble; the high nibble holds k + 4. Chunk c = p // 64, lane L = p % 64 // 16, byte i = p % 16."""
-    p = torch.arange(256)
+def _x16_order(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of a line's quant bytes per block: its row (of 16) and its weight k (of 32). Chunk c = p // 64,
+    lane L = p % 64 // 16, byte i = p % 16; a 4-bit chunk spans 8 weights (the high nibble holds k + 4), a Q8_0
+    chunk 4."""
+    p = torch.arange(512 if ggml_type == 8 else 256)
     c, lane, i = p // 64, p % 64 // 16, p % 16
-    return 4 * lane + (i % 8) // 2, 8 * c + 2 * (i >= 8).long() + i % 2
+    return 4 * lane + (i % 8) // 2, (4 if ggml_type == 8 else 8) * c + 2 * (i >= 8).long() + i % 2
+
+
+def _head_bytes(ggml_type: int) -> int:  # a block's f16 d (and a Q4_1 block's f16 m)
+    return 4 if ggml_type == 3 else 2
 
 
 def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0/Q4_1 weight [out, bytes per row] (out a multiple of 16) as x16 lines [out / 16, the same bytes
-    x 16]: per block, the 16 rows' d (and m), then their nibbles in x16 order."""
+    """A weight [out, bytes per row] (out a multiple of 16) as x16 lines [out / 16, the same bytes x 16]: per
+    block, the 16 rows' d (and m), then their quants in x16 order."""
     fmt = FORMATS[ggml_type]
-    out, head = blocks.shape[0], 4 if ggml_type == 3 else 2
+    out, head = blocks.shape[0], _head_bytes(ggml_type)
     nb = blocks.shape[1] // fmt.nbytes
     b = blocks.reshape(out // X16_ROWS, X16_ROWS, nb, fmt.nbytes).transpose(1, 2)  # [lines, nb, 16, bytes]
     qs = b[..., head:]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [lines, nb, 16, 32]: row r's weight k
-    row, k = _x16_order()
-    nibbles = q[:, :, row, k] | (q[:, :, row, k + 4] << 4)
+    row, k = _x16_order(ggml_type)
+    if ggml_type == 8:
+        quants = qs[:, :, row, k]  # whole int8 bytes
+    else:
+        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [lines, nb, 16, 32]: row r's weight k
+        quants = q[:, :, row, k] | (q[:, :, row, k + 4] << 4)
     scales = [b[..., s:s + 2].reshape(*b.shape[:2], 2 * X16_ROWS) for s in range(0, head, 2)]  # d, then m
-    return torch.cat([*scales, nibbles], dim=-1).reshape(out // X16_ROWS, -1).contiguous()
+    return torch.cat([*scales, quants], dim=-1).reshape(out // X16_ROWS, -1).contiguous()
 
 
 def unpack_x16(lines: torch.Tensor, x16_type: int) -> torch.Tensor:
-    """pack_x16's inverse: the blocks in the file's layout, and their GGML type."""
+    """pack_x16's inverse: the blocks in the file's layout (GGML type x16_type - X16)."""
     ggml_type = x16_type - X16
     fmt = FORMATS[ggml_type]
-    head = 4 if ggml_type == 3 else 2
+    head = _head_bytes(ggml_type)
     n, nb = lines.shape[0], lines.shape[1] // (fmt.nbytes * X16_ROWS)
     line = lines.reshape(n, nb, fmt.nbytes * X16_ROWS)
     scales = [line[..., s * X16_ROWS:(s + 2) * X16_ROWS].reshape(n, nb, X16_ROWS, 2) for s in range(0, head, 2)]
-    nibbles = line[..., head * X16_ROWS:]
-    row, k = _x16_order()
+    quants = line[..., head * X16_ROWS:]
+    row, k = _x16_order(ggml_type)
     q = torch.empty(n, nb, X16_ROWS, BLOCK, dtype=torch.uint8)
-    q[:, :, row, k] = nibbles & 0x0F
-    q[:, :, row, k + 4] = nibbles >> 4
-    qs = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    if ggml_type == 8:
+        q[:, :, row, k] = quants
+        qs = q
+    else:
+        q[:, :, row, k] = quants & 0x0F
+        q[:, :, row, k + 4] = quants >> 4
+        qs = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
     b = torch.cat([*scales, qs], dim=-1).transpose(1, 2)  # [lines, 16, nb, bytes]
     return b.reshape(n * X16_ROWS, nb * fmt.nbytes).contiguous()
 
 
 def kernel_layout(blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The blocks as the op multiplies them fastest for activations of `dtype` on this CPU: x16 lines where
-    the op has them (bf16, a 4-bit type, whole lines of 16 rows), else as the file holds them."""
-    if (dtype == torch.bfloat16 and ggml_type in (2, 3) and blocks.shape[0] % X16_ROWS == 0
+    the op has them (bf16, whole lines of 16 rows), else as the file holds them."""
+    if (dtype == torch.bfloat16 and ggml_type in FORMATS and blocks.shape[0] % X16_ROWS == 0
             and op_available() and torch.ops.kvscope.gguf_x16()):
         return pack_x16(blocks, ggml_type), X16 + ggml_type
     return blocks, ggml_type

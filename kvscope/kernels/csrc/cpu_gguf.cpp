@@ -8,9 +8,9 @@
 // weights are bit for bit the ones a dequantized bf16 model holds), then multiplied into float32
 // accumulators. Only the summation order differs from a dense GEMM.
 //
-// A 4-bit weight repacked 16 rows at a time (the x16 layout, types kX16 + 2 and kX16 + 3; see
-// x16_line) is multiplied by bf16 x without widening to the rounded values: its file's exact
-// weights, 16 outputs to a vector, in about a third of the instructions a block.
+// A weight repacked 16 rows at a time (the x16 layout, types kX16 + 2, 3 and 8; see x16_line) is
+// multiplied by bf16 x without widening to the rounded values: its file's exact weights, 16 outputs
+// to a vector, in about a third (4-bit) or a half (Q8_0) of the instructions a block.
 //
 // Up to kGemvMaxRows rows of x are multiplied block by block (kRowTile at a time, each block's
 // weights widened once per tile); a longer input (a prefill chunk) has the weight widened whole
@@ -49,10 +49,18 @@ constexpr int64_t kPrefetchRows = 8; // how far ahead the bf16 tile asks for wei
 
 // GGML type ids (ggml.h) and their block sizes in bytes
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-// kvscope's own ids for a 4-bit type's blocks repacked into the x16 layout (below): kX16 + the GGML type
+// kvscope's own ids for a type's blocks repacked into the x16 layout (below): kX16 + the GGML type
 constexpr int64_t kX16 = 1000;
 
-inline bool is_x16(int64_t type) { return type == kX16 + kQ4_0 || type == kX16 + kQ4_1; }
+inline bool is_x16(int64_t type) { return type == kX16 + kQ4_0 || type == kX16 + kQ4_1 || type == kX16 + kQ8_0; }
+
+// An x16 line's bytes per block (x16_line describes the layout), and the offset its sums carry, times sx
+template <int64_t kType>
+constexpr int64_t x16_head_bytes() { return kType == kQ4_1 ? 64 : 32; }  // 16 d (and 16 m), f16
+template <int64_t kType>
+constexpr int64_t x16_quant_bytes() { return kType == kQ8_0 ? 512 : 256; }  // 16 rows x 32 weights
+template <int64_t kType>
+constexpr float x16_offset() { return kType == kQ4_1 ? -128.f : kType == kQ4_0 ? -136.f : -2304.f; }  // x sx
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
@@ -280,31 +288,42 @@ void gemv_tile_bf16(const uint8_t* blocks, int64_t row_bytes, int64_t in, const 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVSCOPE_X16 1
-// The x16 layout (gguf_linear.py's pack): 16 output rows interleaved, so that a vector's 16 float lanes are
-// 16 outputs and a block's nibbles become bf16 weights in one unpack each, with no table and no horizontal
-// sum. A line (16 rows) holds, per block b: their 16 f16 d, for Q4_1 their 16 f16 m, then 256 bytes of
-// nibbles in 4 chunks of 64. Chunk c's byte 16L + i holds row 4L + (i % 8) / 2, weight k = 8c + 2(i >= 8)
-// + i % 2 in its low nibble and k + 4 in its high one: unpacklo/unpackhi_epi8 of the low nibbles then give
-// one register per pair of weights (lanes = rows, 2 weights each, as vdpbf16ps multiplies them).
+// The x16 layout (gguf_linear.py's pack_x16): 16 output rows interleaved, so that a vector's 16 float lanes
+// are 16 outputs and a block's nibbles become bf16 weights in one unpack each, with no table and no
+// horizontal sum. A line (16 rows) holds, per block b: their 16 f16 d, for Q4_1 their 16 f16 m, then their
+// quants in chunks of 64 bytes. A 4-bit chunk c (of 4) holds in its byte 16L + i row 4L + (i % 8) / 2's
+// weight k = 8c + 2(i >= 8) + i % 2 in the low nibble and k + 4 in the high one: unpacklo/unpackhi_epi8 of
+// the low nibbles then give one register per pair of weights (lanes = rows, 2 weights each, as vdpbf16ps
+// multiplies them). A Q8_0 chunk c (of 8) holds in the same byte the same row's weight 4c + 2(i >= 8) + i % 2,
+// whole.
 //
-// The nibble q is unpacked beside the byte 0x43: the bf16 0x43qq is exactly 128 + q. So a block's sum
+// A nibble q is unpacked beside the byte 0x43: the bf16 0x43qq is exactly 128 + q. So a block's sum
 // S' = sum_k (128 + q_k) x_k in float32, and sum_k w_k x_k = d (S' - 128 sx) + m sx (Q4_1: w = d q + m),
-// or d (S' - 136 sx) (Q4_0: w = d (q - 8)), with sx the block's sum of x. The weights are the file's exact
-// values (not rounded to bf16 as a dequantized model holds them); float32 absorbs the offset's 8 bits.
+// or d (S' - 136 sx) (Q4_0: w = d (q - 8)), with sx the block's sum of x. A Q8_0 weight's q + 128 is split
+// into nibbles h, l, each a plane of its own: sum_k q_k x_k = 16 S'_h + S'_l - 2304 sx. The weights are the
+// file's exact values (not rounded to bf16 as a dequantized model holds them); float32 absorbs the offsets'
+// few bits.
 constexpr int64_t kX16Rows = 16;
 constexpr int64_t kX16RowTile = 4;  // rows of x per pass over a line (which then stays in L1)
 // bytes ahead of a block that it asks for (lines lie one after another): 2 KiB took one pass of SmolLM2's
 // Q4_1 layers from 8.5 ms to 5.0 (1 KiB 5.7, 4 KiB 5.5; 2-core Xeon, 2 threads, one row)
 constexpr int64_t kX16Prefetch = 2048;
 
-template <int64_t kType>
-constexpr int64_t x16_head_bytes() { return kType == kQ4_1 ? 64 : 32; }  // 16 d (and 16 m), f16
 
 template <int64_t kType, int64_t kRows>
 inline void x16_line(const uint8_t* line, int64_t nb, const uint16_t* x, int64_t in, const float* sx,
                      const float* offset_sx, const Out& y, int64_t o) {
-  constexpr int64_t kHead = x16_head_bytes<kType>(), kBytes = kHead + 256;
+  constexpr int64_t kHead = x16_head_bytes<kType>(), kBytes = kHead + x16_quant_bytes<kType>();
   const __m512i low = _mm512_set1_epi8(0x0F), exponent = _mm512_set1_epi8(0x43);
+  const auto pair_of = [](const uint16_t* xk) {  // x's weights k, k+1 in every 32-bit lane
+    int32_t pair;
+    std::memcpy(&pair, xk, 4);
+    const __m512i v = _mm512_set1_epi32(pair);
+    return reinterpret_cast<const __m512bh&>(v);
+  };
+  const auto dot = [](__m512 acc, __m512i w, __m512bh x) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(w), x);
+  };
   __m512 acc[kRows];
   for (int64_t t = 0; t < kRows; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -314,27 +333,34 @@ inline void x16_line(const uint8_t* line, int64_t nb, const uint16_t* x, int64_t
     }
     __m512 s[kRows][2];
     for (int64_t t = 0; t < kRows; ++t) {
-      s[t][0] = _mm512_set1_ps(offset_sx[t * nb + b]);  // a broadcast load: S' starts at -128 sx (Q4_0: -136 sx)
+      s[t][0] = _mm512_set1_ps(offset_sx[t * nb + b]);  // a broadcast load: S' starts at the offset times sx
       s[t][1] = _mm512_setzero_ps();
     }
-    for (int64_t c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(p + kHead + 64 * c);
+    for (int64_t c = 0; c < x16_quant_bytes<kType>() / 64; ++c) {
+      __m512i v = _mm512_loadu_si512(p + kHead + 64 * c);
+      if constexpr (kType == kQ8_0) v = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       const __m512i w[4] = {_mm512_unpacklo_epi8(lo, exponent), _mm512_unpackhi_epi8(lo, exponent),
                             _mm512_unpacklo_epi8(hi, exponent), _mm512_unpackhi_epi8(hi, exponent)};
       for (int64_t t = 0; t < kRows; ++t) {
-        const uint16_t* xk = x + t * in + b * kBlock + 8 * c;
-        for (int64_t j = 0; j < 4; ++j) {  // weights k, k+1 of pair j: 8c + 2j (j < 2), 8c + 4 + 2(j - 2)
-          int32_t pair;
-          std::memcpy(&pair, xk + (j < 2 ? 2 * j : 4 + 2 * (j - 2)), 4);
-          s[t][j & 1] = _mm512_dpbf16_ps(s[t][j & 1], reinterpret_cast<const __m512bh&>(w[j]),
-                                         reinterpret_cast<const __m512bh&>(static_cast<const __m512i&>(
-                                             _mm512_set1_epi32(pair))));
+        if constexpr (kType == kQ8_0) {  // pairs 4c, 4c + 2; the low plane into s[0], the high into s[1]
+          const uint16_t* xk = x + t * in + b * kBlock + 4 * c;
+          const __m512bh a = pair_of(xk), z = pair_of(xk + 2);
+          s[t][0] = dot(dot(s[t][0], w[0], a), w[1], z);
+          s[t][1] = dot(dot(s[t][1], w[2], a), w[3], z);
+        } else {  // pairs 8c, 8c + 2 (low nibbles), 8c + 4, 8c + 6 (high nibbles)
+          const uint16_t* xk = x + t * in + b * kBlock + 8 * c;
+          s[t][0] = dot(dot(s[t][0], w[0], pair_of(xk)), w[2], pair_of(xk + 4));
+          s[t][1] = dot(dot(s[t][1], w[1], pair_of(xk + 2)), w[3], pair_of(xk + 6));
         }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    for (int64_t t = 0; t < kRows; ++t) acc[t] = _mm512_fmadd_ps(d, _mm512_add_ps(s[t][0], s[t][1]), acc[t]);
+    for (int64_t t = 0; t < kRows; ++t) {
+      const __m512 sum = kType == kQ8_0 ? _mm512_fmadd_ps(_mm512_set1_ps(16.f), s[t][1], s[t][0])
+                                        : _mm512_add_ps(s[t][0], s[t][1]);
+      acc[t] = _mm512_fmadd_ps(d, sum, acc[t]);
+    }
     if constexpr (kType == kQ4_1) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
       for (int64_t t = 0; t < kRows; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb + b]), acc[t]);
@@ -398,15 +424,18 @@ int64_t out_features(const Tensor& blocks, int64_t type) {
 // arithmetic is widen()'s).
 template <int64_t kType>
 void x16_widen_line(const uint8_t* line, int64_t nb, int64_t in, float* w) {
-  constexpr int64_t kHead = kType == kQ4_1 ? 64 : 32;
+  constexpr int64_t kHead = x16_head_bytes<kType>(), kQuants = x16_quant_bytes<kType>();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = line + b * (kHead + 256);
-    for (int64_t c = 0; c < 4; ++c)
-      for (int64_t i = 0; i < 64; ++i) {
-        const int64_t row = 4 * (i / 16) + (i % 8) / 2, k = b * kBlock + 8 * c + 2 * ((i % 16) >= 8) + i % 2;
-        const float d = half_at(p + 2 * row);
-        const uint8_t byte = p[kHead + 64 * c + i];
-        float* out = w + row * in;
+    const uint8_t* p = line + b * (kHead + kQuants);
+    for (int64_t j = 0; j < kQuants; ++j) {
+      const int64_t c = j / 64, i = j % 16, row = 4 * (j % 64 / 16) + (i % 8) / 2;
+      const float d = half_at(p + 2 * row);
+      const uint8_t byte = p[kHead + j];
+      float* out = w + row * in + b * kBlock;
+      if constexpr (kType == kQ8_0) {
+        out[4 * c + 2 * (i >= 8) + i % 2] = d * static_cast<float>(static_cast<int8_t>(byte));
+      } else {
+        const int64_t k = 8 * c + 2 * (i >= 8) + i % 2;
         if constexpr (kType == kQ4_1) {
           const float m = half_at(p + 32 + 2 * row);
           out[k] = d * static_cast<float>(byte & 0x0F) + m;
@@ -416,6 +445,7 @@ void x16_widen_line(const uint8_t* line, int64_t nb, int64_t in, float* w) {
           out[k + 4] = d * static_cast<float>((byte >> 4) - 8);
         }
       }
+    }
   }
 }
 
@@ -430,8 +460,11 @@ Tensor gguf_dequantize(const Tensor& blocks, int64_t type, at::ScalarType dtype)
   if (is_x16(type)) {
     at::parallel_for(0, blocks.size(0), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        if (type == kX16 + kQ4_1) x16_widen_line<kQ4_1>(src + g * row_bytes, nb, in, dst + g * 16 * in);
-        else x16_widen_line<kQ4_0>(src + g * row_bytes, nb, in, dst + g * 16 * in);
+        const uint8_t* line = src + g * row_bytes;
+        float* rows16 = dst + g * 16 * in;
+        if (type == kX16 + kQ4_1) x16_widen_line<kQ4_1>(line, nb, in, rows16);
+        else if (type == kX16 + kQ4_0) x16_widen_line<kQ4_0>(line, nb, in, rows16);
+        else x16_widen_line<kQ8_0>(line, nb, in, rows16);
       }
     });
     return dtype == at::kFloat ? w : w.to(dtype);
@@ -456,7 +489,9 @@ Tensor x16_linear(const Tensor& x, const Tensor& lines, int64_t type, const std:
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // each block's sum of x in float32, and that sum times the nibbles' offset (x16_line)
   std::vector<float> sx(rows * nb), offset_sx(rows * nb);
-  const float offset = type == kX16 + kQ4_1 ? -128.f : -136.f;
+  const float offset = type == kX16 + kQ4_1   ? x16_offset<kQ4_1>()
+                       : type == kX16 + kQ4_0 ? x16_offset<kQ4_0>()
+                                              : x16_offset<kQ8_0>();
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t b = 0; b < nb; ++b) {
       float s = 0.f;
@@ -481,7 +516,8 @@ Tensor x16_linear(const Tensor& x, const Tensor& lines, int64_t type, const std:
         const auto tile = [&](auto rows_c) {
           constexpr int64_t kRows = decltype(rows_c)::value;
           if (type == kX16 + kQ4_1) x16_line<kQ4_1, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
-          else x16_line<kQ4_0, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
+          else if (type == kX16 + kQ4_0) x16_line<kQ4_0, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
+          else x16_line<kQ8_0, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
         };
         switch (std::min(kX16RowTile, rows - t0)) {
           case 1: tile(Const<1>{}); break;
