@@ -60,17 +60,22 @@ def out_features(blocks: torch.Tensor, ggml_type: int) -> int:
     return blocks.shape[0] * format_of(ggml_type).rows
 
 
-def _x16_order(ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of a line's quant bytes per block: its row (of 16) and its weight k (of 32). Chunk c = p // 64,
-    lane L = p % 64 // 16, byte i = p % 16; a 4-bit chunk spans 8 weights (the high nibble holds k + 4), a Q8_0
-    chunk 4."""
-    p = torch.arange(512 if ggml_type == 8 else 256)
-    c, lane, i = p // 64, p % 64 // 16, p % 16
-    return 4 * lane + (i % 8) // 2, (4 if ggml_type == 8 else 8) * c + 2 * (i >= 8).long() + i % 2
-
-
 def _head_bytes(ggml_type: int) -> int:  # a block's f16 d (and a Q4_1 block's f16 m)
     return 4 if ggml_type == 3 else 2
+
+
+# A block's quants in a line, as axes: byte p = 64 c + 16 L + 8 h + 2 a + e holds row 4 L + a's weight
+# k = 8 c + 2 h + e (4-bit: in the low nibble; the high nibble holds k + 4) or k = 4 c + 2 h + e (Q8_0).
+# So the [16 rows, 32 weights] of a block, split into axes, are permuted into that order.
+_ROW_AXES = ("L", "a")
+_K_AXES = {8: ("c", "h", "e"), 4: ("c", "n", "h", "e")}  # Q8_0; 4-bit: n, which nibble (weight k + 4n)
+_SIZES = {"L": 4, "a": 4, "h": 2, "e": 2, "n": 2}
+_LINE_ORDER = ("c", "L", "h", "a", "e")
+
+
+def _axes(ggml_type: int) -> tuple[tuple[str, ...], list[int]]:
+    names = _ROW_AXES + _K_AXES[8 if ggml_type == 8 else 4]
+    return names, [8 if (n == "c" and ggml_type == 8) else 4 if n == "c" else _SIZES[n] for n in names]
 
 
 def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -81,14 +86,14 @@ def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     nb = blocks.shape[1] // fmt.nbytes
     b = blocks.reshape(out // X16_ROWS, X16_ROWS, nb, fmt.nbytes).transpose(1, 2)  # [lines, nb, 16, bytes]
     qs = b[..., head:]
-    row, k = _x16_order(ggml_type)
-    if ggml_type == 8:
-        quants = qs[:, :, row, k]  # whole int8 bytes
-    else:
-        q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [lines, nb, 16, 32]: row r's weight k
-        quants = q[:, :, row, k] | (q[:, :, row, k + 4] << 4)
+    q = qs if ggml_type == 8 else torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [lines, nb, 16, 32]: row r's k
+    names, sizes = _axes(ggml_type)
+    q = q.reshape(*q.shape[:2], *sizes)
+    order = _LINE_ORDER if ggml_type == 8 else _LINE_ORDER + ("n",)
+    q = q.permute(0, 1, *(2 + names.index(n) for n in order))
+    quants = q.reshape(*q.shape[:2], -1) if ggml_type == 8 else q[..., 0] | (q[..., 1] << 4)
     scales = [b[..., s:s + 2].reshape(*b.shape[:2], 2 * X16_ROWS) for s in range(0, head, 2)]  # d, then m
-    return torch.cat([*scales, quants], dim=-1).reshape(out // X16_ROWS, -1).contiguous()
+    return torch.cat([*scales, quants.reshape(*b.shape[:2], -1)], dim=-1).reshape(out // X16_ROWS, -1).contiguous()
 
 
 def unpack_x16(lines: torch.Tensor, x16_type: int) -> torch.Tensor:
@@ -96,21 +101,19 @@ def unpack_x16(lines: torch.Tensor, x16_type: int) -> torch.Tensor:
     ggml_type = x16_type - X16
     fmt = FORMATS[ggml_type]
     head = _head_bytes(ggml_type)
-    n, nb = lines.shape[0], lines.shape[1] // (fmt.nbytes * X16_ROWS)
-    line = lines.reshape(n, nb, fmt.nbytes * X16_ROWS)
-    scales = [line[..., s * X16_ROWS:(s + 2) * X16_ROWS].reshape(n, nb, X16_ROWS, 2) for s in range(0, head, 2)]
+    count, nb = lines.shape[0], lines.shape[1] // (fmt.nbytes * X16_ROWS)
+    line = lines.reshape(count, nb, fmt.nbytes * X16_ROWS)
+    scales = [line[..., s * X16_ROWS:(s + 2) * X16_ROWS].reshape(count, nb, X16_ROWS, 2) for s in range(0, head, 2)]
     quants = line[..., head * X16_ROWS:]
-    row, k = _x16_order(ggml_type)
-    q = torch.empty(n, nb, X16_ROWS, BLOCK, dtype=torch.uint8)
-    if ggml_type == 8:
-        q[:, :, row, k] = quants
-        qs = q
-    else:
-        q[:, :, row, k] = quants & 0x0F
-        q[:, :, row, k + 4] = quants >> 4
-        qs = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    if ggml_type != 8:
+        quants = torch.stack((quants & 0x0F, quants >> 4), dim=-1)  # axis n last
+    names, sizes = _axes(ggml_type)
+    order = _LINE_ORDER if ggml_type == 8 else _LINE_ORDER + ("n",)
+    q = quants.reshape(count, nb, *(sizes[names.index(a)] for a in order))
+    q = q.permute(0, 1, *(2 + order.index(a) for a in names)).reshape(count, nb, X16_ROWS, BLOCK)
+    qs = q if ggml_type == 8 else q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
     b = torch.cat([*scales, qs], dim=-1).transpose(1, 2)  # [lines, 16, nb, bytes]
-    return b.reshape(n * X16_ROWS, nb * fmt.nbytes).contiguous()
+    return b.reshape(count * X16_ROWS, nb * fmt.nbytes).contiguous()
 
 
 def kernel_layout(blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
