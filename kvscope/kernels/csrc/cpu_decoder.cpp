@@ -61,7 +61,7 @@ Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const st
   return op.call(x, blocks, type, bias);
 }
 
-// type 0: oneDNN-packed; otherwise the GGML type of the weight's blocks.
+// type 0: oneDNN-packed; otherwise the GGML type of the weight's blocks, or their x16 id (cpu_gguf.cpp).
 Tensor linear(const Tensor& x, const Tensor& weight, int64_t type, const std::optional<Tensor>& bias) {
   return type == 0 ? packed_linear(x, weight, bias) : gguf_linear(x, weight, type, bias);
 }
