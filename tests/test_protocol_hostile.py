@@ -4,6 +4,7 @@ a visible notice, bounded memory; never another exception, a hang or a dead serv
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -236,18 +237,32 @@ def test_every_bad_control_message_is_answered_and_never_reaches_the_engine(serv
     assert reply == {"ok": True} and [r.cmd for r in seen] == ["pause"]
 
 
-def test_snapshot_flood_makes_one_snapshot_and_answers_everyone():
+@contextlib.contextmanager
+def _snapshot_flood(n: int = 40):
+    """A control server and n REQ sockets that have each sent it a snapshot request; all closed after."""
     from kvscope.protocol.control import ControlServer
 
     srv = ControlServer("tcp://127.0.0.1:0")
     socks = []
     try:
-        for _ in range(40):
+        for _ in range(n):
             s = zmq.Context.instance().socket(zmq.REQ)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(srv.addr)
             s.send(msgpack.packb({"cmd": "snapshot"}))
             socks.append(s)
+        yield srv, socks
+        for s in socks:  # every asker answered with its result
+            assert s.poll(5000)
+            assert msgpack.unpackb(s.recv()) == {"ok": True, "step": 7}
+    finally:
+        for s in socks:
+            s.close(0)
+        srv.close()
+
+
+def test_snapshot_flood_makes_one_snapshot_and_answers_everyone():
+    with _snapshot_flood(40) as (srv, _):
         # However the 40 arrive (all before one poll, or spread over several on a loaded machine),
         # each poll makes at most one snapshot, and that one answers every asker of its poll.
         asked = 0
@@ -259,13 +274,6 @@ def test_snapshot_flood_makes_one_snapshot_and_answers_everyone():
                 asked += len(r._sends)
                 r.reply(ok=True, step=7)
         assert asked == 40
-        for s in socks:  # ...and every asker answered with its result
-            assert s.poll(5000)
-            assert msgpack.unpackb(s.recv()) == {"ok": True, "step": 7}
-    finally:
-        for s in socks:
-            s.close(0)
-        srv.close()
 
 
 class _Arrived:
@@ -285,17 +293,7 @@ class _Arrived:
 
 
 def test_a_flood_found_by_one_poll_is_one_snapshot_answering_all_40():
-    from kvscope.protocol.control import ControlServer
-
-    srv = ControlServer("tcp://127.0.0.1:0")
-    socks = []
-    try:
-        for _ in range(40):
-            s = zmq.Context.instance().socket(zmq.REQ)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(srv.addr)
-            s.send(msgpack.packb({"cmd": "snapshot"}))
-            socks.append(s)
+    with _snapshot_flood(40) as (srv, _):
         real = srv._sock
         frames = []
         while len(frames) < 40 and real.poll(10_000):
@@ -305,14 +303,7 @@ def test_a_flood_found_by_one_poll_is_one_snapshot_answering_all_40():
         polled = srv.poll()
         assert [r.cmd for r in polled] == ["snapshot"] and len(polled[0]._sends) == 40
         polled[0].reply(ok=True, step=7)
-        for s in socks:
-            assert s.poll(5000)
-            assert msgpack.unpackb(s.recv()) == {"ok": True, "step": 7}
         srv._sock = real
-    finally:
-        for s in socks:
-            s.close(0)
-        srv.close()
 
 
 def test_injected_requests_per_poll_are_bounded():
