@@ -8,7 +8,7 @@ too, as vLLM does with its own `--quantization gguf`: each linear layer keeps it
 from the file once per process), and kvscope/kernels/gguf_linear.py's op widens each block in
 registers as it multiplies. The weights are the values transformers' dequantizer gives: rounded
 to the engine's dtype, so that only the summation order differs from the dense model's GEMM, or,
-for 4-bit blocks under bf16 on AVX-512 BF16 (repacked 16 rows at a time at load: the x16 layout),
+for blocks under bf16 on a CPU with AVX-512 BF16 (repacked 16 rows at a time at load: the x16 layout),
 unrounded, so that the product is the exact one rounded once (tests/test_gguf_blocks.py checks the
 weights and the products, tests/test_engine_gguf.py the greedy tokens).
 

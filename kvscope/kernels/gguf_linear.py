@@ -68,14 +68,17 @@ def _head_bytes(ggml_type: int) -> int:  # a block's f16 d (and a Q4_1 block's f
 # k = 8 c + 2 h + e (4-bit: in the low nibble; the high nibble holds k + 4) or k = 4 c + 2 h + e (Q8_0).
 # So the [16 rows, 32 weights] of a block, split into axes, are permuted into that order.
 _ROW_AXES = ("L", "a")
-_K_AXES = {8: ("c", "h", "e"), 4: ("c", "n", "h", "e")}  # Q8_0; 4-bit: n, which nibble (weight k + 4n)
+_K_AXES = {8: ("c", "h", "e"), 4: ("c", "n", "h", "e")}  # by bits a weight; n: which nibble (weight k + 4n)
 _SIZES = {"L": 4, "a": 4, "h": 2, "e": 2, "n": 2}
 _LINE_ORDER = ("c", "L", "h", "a", "e")
 
 
 def _axes(ggml_type: int) -> tuple[tuple[str, ...], list[int]]:
-    names = _ROW_AXES + _K_AXES[8 if ggml_type == 8 else 4]
-    return names, [8 if (n == "c" and ggml_type == 8) else 4 if n == "c" else _SIZES[n] for n in names]
+    """A block's [16 rows, 32 weights] as named axes, and their sizes (Q8_0 has 8 chunks c, 4-bit types 4)."""
+    bits = 8 if ggml_type == 8 else 4
+    sizes = {**_SIZES, "c": 64 // bits}
+    names = _ROW_AXES + _K_AXES[bits]
+    return names, [sizes[n] for n in names]
 
 
 def pack_x16(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
