@@ -76,7 +76,7 @@ _LINE_ORDER = ("c", "L", "h", "a", "e")
 def _axes(ggml_type: int) -> tuple[tuple[str, ...], list[int]]:
     """A block's [16 rows, 32 weights] as named axes, and their sizes (Q8_0 has 8 chunks c, 4-bit types 4)."""
     bits = 8 if ggml_type == 8 else 4
-    sizes = {**_SIZES, "c": 64 // bits}
+    sizes = {**_SIZES, "c": bits}  # 64-byte chunks a block: 16 rows x 32 weights x bits / 8 / 64
     names = _ROW_AXES + _K_AXES[bits]
     return names, [sizes[n] for n in names]
 
