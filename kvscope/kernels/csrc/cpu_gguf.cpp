@@ -309,7 +309,6 @@ constexpr int64_t kX16RowTile = 4;  // rows of x per pass over a line (which the
 // Q4_1 layers from 8.5 ms to 5.0 (1 KiB 5.7, 4 KiB 5.5; 2-core Xeon, 2 threads, one row)
 constexpr int64_t kX16Prefetch = 2048;
 
-
 template <int64_t kType, int64_t kRows>
 inline void x16_line(const uint8_t* line, int64_t nb, const uint16_t* x, int64_t in, const float* sx,
                      const float* offset_sx, const Out& y, int64_t o) {
@@ -377,20 +376,20 @@ inline void x16_line(const uint8_t* line, int64_t nb, const uint16_t* x, int64_t
 template <int64_t kValue>
 using Const = std::integral_constant<int64_t, kValue>;
 
-// tile(t0, Const<R>) for each run of up to kRowTile rows of x starting at row t0.
-template <typename Tile>
+// run(Const<n>) for 1 <= n <= kMax, with n a compile-time constant.
+template <int64_t kMax, typename Run>
+void with_count(int64_t n, const Run& run) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return with_count<kMax - 1>(n, run);
+  }
+  run(Const<kMax>{});
+}
+
+// tile(t0, Const<R>) for each run of up to kMax rows of x starting at row t0.
+template <int64_t kMax = kRowTile, typename Tile>
 void over_row_tiles(int64_t rows, const Tile& tile) {
-  for (int64_t t0 = 0; t0 < rows; t0 += kRowTile) {
-    switch (std::min(kRowTile, rows - t0)) {
-      case 1: tile(t0, Const<1>{}); break;
-      case 2: tile(t0, Const<2>{}); break;
-      case 3: tile(t0, Const<3>{}); break;
-      case 4: tile(t0, Const<4>{}); break;
-      case 5: tile(t0, Const<5>{}); break;
-      case 6: tile(t0, Const<6>{}); break;
-      case 7: tile(t0, Const<7>{}); break;
-      default: tile(t0, Const<8>{}); break;
-    }
+  for (int64_t t0 = 0; t0 < rows; t0 += kMax) {
+    with_count<kMax>(std::min(kMax, rows - t0), [&](auto n) { tile(t0, n); });
   }
 }
 
@@ -460,11 +459,9 @@ Tensor gguf_dequantize(const Tensor& blocks, int64_t type, at::ScalarType dtype)
   if (is_x16(type)) {
     at::parallel_for(0, blocks.size(0), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* line = src + g * row_bytes;
-        float* rows16 = dst + g * 16 * in;
-        if (type == kX16 + kQ4_1) x16_widen_line<kQ4_1>(line, nb, in, rows16);
-        else if (type == kX16 + kQ4_0) x16_widen_line<kQ4_0>(line, nb, in, rows16);
-        else x16_widen_line<kQ8_0>(line, nb, in, rows16);
+        with_type(type - kX16, [&](auto type_c) {
+          x16_widen_line<decltype(type_c)::value>(src + g * row_bytes, nb, in, dst + g * 16 * in);
+        });
       }
     });
     return dtype == at::kFloat ? w : w.to(dtype);
@@ -489,9 +486,8 @@ Tensor x16_linear(const Tensor& x, const Tensor& lines, int64_t type, const std:
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // each block's sum of x in float32, and that sum times the nibbles' offset (x16_line)
   std::vector<float> sx(rows * nb), offset_sx(rows * nb);
-  const float offset = type == kX16 + kQ4_1   ? x16_offset<kQ4_1>()
-                       : type == kX16 + kQ4_0 ? x16_offset<kQ4_0>()
-                                              : x16_offset<kQ8_0>();
+  float offset = 0.f;
+  with_type(type - kX16, [&](auto type_c) { offset = x16_offset<decltype(type_c)::value>(); });
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t b = 0; b < nb; ++b) {
       float s = 0.f;
@@ -508,24 +504,13 @@ Tensor x16_linear(const Tensor& x, const Tensor& lines, int64_t type, const std:
   at::parallel_for(0, lines.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* line = w + g * line_bytes;
-      for (int64_t t0 = 0; t0 < rows; t0 += kX16RowTile) {
-        const Out yt = sink.at_row(t0);
-        const uint16_t* xt = xs + t0 * in;
-        const float* st = sx.data() + t0 * nb;
-        const float* ot = offset_sx.data() + t0 * nb;
-        const auto tile = [&](auto rows_c) {
-          constexpr int64_t kRows = decltype(rows_c)::value;
-          if (type == kX16 + kQ4_1) x16_line<kQ4_1, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
-          else if (type == kX16 + kQ4_0) x16_line<kQ4_0, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
-          else x16_line<kQ8_0, kRows>(line, nb, xt, in, st, ot, yt, g * kX16Rows);
-        };
-        switch (std::min(kX16RowTile, rows - t0)) {
-          case 1: tile(Const<1>{}); break;
-          case 2: tile(Const<2>{}); break;
-          case 3: tile(Const<3>{}); break;
-          default: tile(Const<4>{}); break;
-        }
-      }
+      with_type(type - kX16, [&](auto type_c) {
+        over_row_tiles<kX16RowTile>(rows, [&](int64_t t0, auto rows_c) {
+          x16_line<decltype(type_c)::value, decltype(rows_c)::value>(line, nb, xs + t0 * in, in, sx.data() + t0 * nb,
+                                                                     offset_sx.data() + t0 * nb, sink.at_row(t0),
+                                                                     g * kX16Rows);
+        });
+      });
     }
   });
   return y;
