@@ -25,6 +25,11 @@ AVX-512 bf16). Each fused output column is the same dot product as before; oneDN
 kernel for the wider shape, so results may differ in the last bit (seen at 300 rows in bf16 only).
 The original modules become views (PackedSlice) of the fused weight, so transformers' own forward
 still runs on the model.
+
+On a CPU with AMX, once the CPU kernels are loaded (use_amx), inputs of up to AMX_MAX_ROWS rows (a decode
+step's) run kvscope::amx_linear (kernels/csrc/cpu_amx.cpp) on the very bytes oneDNN packed: its products
+are oneDNN's bit for bit at those rows, and on a 2-core Xeon it read Qwen3-0.6B's 28 layers of weights
+1.2-1.7x faster than oneDNN's own call (bench/amx_linear.py). Larger inputs stay on oneDNN.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ import torch.nn.functional as F
 
 NOTE_ATTR = "kvscope_pack_note"  # on a packed model: what packing it did, for the start-up line
 PACK_ROWS_HINT = 64  # the batch size oneDNN is told to expect: measured indifferent between 1 and 512
+# Up to this many rows the AMX loop runs (and its products equal oneDNN's bit for bit); above, oneDNN's
+# kernels win or tie, and their products differ from the AMX loop's in a few last bits. cpu_decoder.cpp's
+# kAmxMaxRows is the same.
+AMX_MAX_ROWS = 32
+AMX_ENV = "KVSCOPE_AMX"  # "0": every packed linear on oneDNN's call (for comparing)
 
 
 def _ops():
@@ -62,8 +72,11 @@ class PackedLinear(torch.nn.Module):
         self.dtype = w.dtype
         self.packed = _ops()._reorder_linear_weight(w, PACK_ROWS_HINT)  # plain attribute: not in state_dict
         self.bias = bias
+        self.amx = False  # use_amx: inputs of up to AMX_MAX_ROWS rows run kvscope::amx_linear on self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx and x.numel() <= AMX_MAX_ROWS * self.in_features:
+            return torch.ops.kvscope.amx_linear(x, self.packed, self.bias)
         return _ops()._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -218,3 +231,41 @@ def pack_linears(model: torch.nn.Module) -> PackResult:
         note += f" (+{extra / 2**20:,.1f} MiB: the tied lm_head's own packed copy)"
     setattr(model, NOTE_ATTR, note)
     return PackResult(count, extra, note)
+
+
+def amx_unavailable() -> str | None:
+    """None if kvscope::amx_linear can run here (the CPU kernels loaded, AMX tiles granted); else why not."""
+    if os.environ.get(AMX_ENV, "").strip() == "0":
+        return f"{AMX_ENV}=0"
+    if not hasattr(torch.ops.kvscope, "amx_bf16"):
+        return "the CPU kernels are not loaded"
+    if not torch.ops.kvscope.amx_bf16():
+        return "no AMX tiles here"
+    return None
+
+
+def use_amx(model: torch.nn.Module) -> str:
+    """Let the model's bf16 packed linear layers run inputs of up to AMX_MAX_ROWS rows on AMX tiles, in place;
+    returns a note for start-up ("" where nothing changed). Where the CPU kernels are loaded: call it after
+    cpu_attention.load(). Idempotent.
+
+    The kernel reads oneDNN's packed bytes as AB16b32a2b blocks. oneDNN picks a weight's layout from its
+    shape, dtype and this CPU, so each distinct shape's first weight is compared, byte for byte, with that
+    layout of its dense values (kvscope::amx_blocks_match); a shape whose layout is another stays on oneDNN."""
+    available = amx_unavailable() is None
+    layout_ok: dict[tuple[int, int], bool] = {}
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, PackedLinear):
+            continue
+        if not available or m.dtype != torch.bfloat16:  # (a model shared by engines: each sets it again)
+            m.amx = False
+            continue
+        shape = (m.out_features, m.in_features)
+        if shape not in layout_ok:
+            layout_ok[shape] = (m.out_features % 32 == 0 and m.in_features % 32 == 0
+                                and torch.ops.mkldnn._nbytes(m.packed) == 2 * m.out_features * m.in_features
+                                and torch.ops.kvscope.amx_blocks_match(m.packed, m.packed.to_dense()))
+        m.amx = layout_ok[shape]
+        count += m.amx
+    return f"{count} run decode steps (up to {AMX_MAX_ROWS} rows) on AMX tiles" if count else ""

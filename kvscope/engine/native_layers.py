@@ -29,6 +29,7 @@ from kvscope.kernels import cpu_attention
 from kvscope.kernels.metadata import AttentionMetadata
 
 CHOICE_ENV = "KVSCOPE_DECODE_LAYERS"  # "python": decoder.py's loop on every step
+PACKED_AMX = 2000  # cpu_decoder.cpp's kPackedAmx
 FUSE_ENV = "KVSCOPE_FUSE_ELEMENTWISE"  # "0": the ATen ops around the GEMMs on GGUF blocks too (for comparing)
 
 
@@ -42,7 +43,9 @@ class NativeLayers:
     """The layers' weights flattened in the order cpu_decoder.cpp reads them."""
 
     weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post norm, gate_up, down (packed, or GGUF blocks)
-    linear_types: list[int]  # per layer's qkv, o, gate_up, down: 0 oneDNN-packed, else the blocks' GGML type
+    # per layer's qkv, o, gate_up, down: 0 oneDNN-packed; PACKED_AMX the same, decode rows on AMX tiles
+    # (cpu_linear.use_amx); else the GGUF blocks' GGML type (or its x16 id)
+    linear_types: list[int]
     optional: list[torch.Tensor | None]  # per layer: qkv, o, gate_up, down biases; q norm, k norm
     eps: list[float]  # per layer: input norm, post norm, q norm, k norm
     scaling: list[float]
@@ -69,14 +72,14 @@ class NativeLayers:
                 return None, f"layer {layer.index}: linear layers not packed into oneDNN's layout"
             qkv, o, gate_up, down = (m.blocks if isinstance(m, GgufLinear) else m.packed for m in linears)
             weights += [layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down]
-            types += [m.ggml_type if isinstance(m, GgufLinear) else 0 for m in linears]
+            types += [m.ggml_type if isinstance(m, GgufLinear) else PACKED_AMX if m.amx else 0 for m in linears]
             optional += [m.bias for m in linears]
             optional += [layer.q_norm and layer.q_norm.weight, layer.k_norm and layer.k_norm.weight]
             eps += [layer.input_norm.eps, layer.post_norm.eps, layer.q_norm.eps if layer.q_norm else 0.0,
                     layer.k_norm.eps if layer.k_norm else 0.0]
             scaling.append(float(layer.scaling))
             windows.append(int(layer.window or 0))
-        fused = all(types) and os.environ.get(FUSE_ENV, "").strip() != "0"
+        fused = all(t not in (0, PACKED_AMX) for t in types) and os.environ.get(FUSE_ENV, "").strip() != "0"
         return cls(weights, types, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate,
                    fused), ""
 

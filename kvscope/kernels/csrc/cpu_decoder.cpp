@@ -61,9 +61,25 @@ Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const st
   return op.call(x, blocks, type, bias);
 }
 
-// type 0: oneDNN-packed; otherwise the GGML type of the weight's blocks, or their x16 id (cpu_gguf.cpp).
+// y = x W^T + b on AMX tiles, reading the weight oneDNN packed (cpu_amx.cpp).
+Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvscope::amx_linear", "")
+                             .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>();
+  return op.call(x, packed, bias);
+}
+
+// A linear's type: 0 oneDNN-packed; kPackedAmx oneDNN-packed in the layout amx_linear reads (cpu_linear.py's
+// use_amx checked it), run there up to kAmxMaxRows rows (cpu_linear.AMX_MAX_ROWS) and on oneDNN above;
+// otherwise the GGML type of the weight's blocks, or their x16 id (cpu_gguf.cpp).
+constexpr int64_t kPackedAmx = 2000;
+constexpr int64_t kAmxMaxRows = 32;
+
+inline bool on_gguf_blocks(int64_t type) { return type != 0 && type != kPackedAmx; }
+
 Tensor linear(const Tensor& x, const Tensor& weight, int64_t type, const std::optional<Tensor>& bias) {
-  return type == 0 ? packed_linear(x, weight, bias) : gguf_linear(x, weight, type, bias);
+  if (type == kPackedAmx && x.size(0) <= kAmxMaxRows) return amx_linear(x, weight, bias);
+  return on_gguf_blocks(type) ? gguf_linear(x, weight, type, bias) : packed_linear(x, weight, bias);
 }
 
 // decoder.py's Norm: transformers' llama RMSNorm, in float32, then weight times the input dtype's rounding.
@@ -210,7 +226,7 @@ bool can_fuse(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, int6
       signed_sin.numel() != cos.numel() || slots.numel() != h.size(0))
     return false;
   for (int64_t type : linear_types)
-    if (type == 0) return false;
+    if (!on_gguf_blocks(type)) return false;
   for (size_t i = 0; i < optional.size(); ++i) {
     const std::optional<Tensor> o = optional.get(i);
     if (!o.has_value()) continue;
