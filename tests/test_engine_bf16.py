@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _bf16 import check_up_to_near_ties
+from _bf16 import check_within_near_ties
 from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.cpu_dtype import auto_cpu_dtype
@@ -38,9 +38,9 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties(models, model_name, mo
     assert llm.engine.dtype == "bfloat16"
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
 
-    agreed = check_up_to_near_ties(ref, prompts, outs, MAX_TOKENS)
-    # most tokens agree: the near-tie allowance is for rounding, not for a different model
-    assert agreed >= 0.5 * MAX_TOKENS * len(prompts), f"only {agreed} tokens agreed before the first difference"
+    at_top = check_within_near_ties(ref, prompts, outs, MAX_TOKENS)
+    # most tokens are the reference's own choice: the near-tie allowance is for rounding, not a different model
+    assert at_top >= 0.9 * MAX_TOKENS * len(prompts), f"only {at_top} tokens were transformers' top"
 
 
 def test_bf16_sampling_runs_in_float32():

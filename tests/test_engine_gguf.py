@@ -205,7 +205,7 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
     """The trained model in bf16 (what --dtype auto runs on a CPU with AVX-512 BF16 or AMX), in every mode,
     against transformers in bf16 on the same weights. Last in this file: it loads the GGUF a second time,
     in bf16, and the float32 tests above share the first load."""
-    from _bf16 import check_up_to_near_ties
+    from _bf16 import check_within_near_ties
     from kvscope.engine.gguf import load_gguf
 
     model, _, _ = load_gguf(smollm2_path, torch.bfloat16, "cpu")
@@ -215,8 +215,8 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
         llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", mode=mode, num_blocks=64, max_num_batched_tokens=48)
         assert llm.engine.dtype == "bfloat16"
         outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
-        assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"{mode}: only {agreed} tokens agreed"
+        at_top = check_within_near_ties(ref, chat_prompts, outs, max_tokens)
+        assert at_top >= 0.9 * max_tokens * len(chat_prompts), f"{mode}: only {at_top} tokens at transformers' top"
     # on the GGUF's blocks, with the work around the GEMMs in cpu_decoder.cpp's one-pass bf16 loops
     llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", num_blocks=64, max_num_batched_tokens=48,
               quantization="gguf")
@@ -229,8 +229,8 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
             assert set(decoder.native.linear_types) == {gguf_linear.X16 + 3}
         decoder.native = _Counted(decoder.native)
     outs = llm.generate(chat_prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    agreed = check_up_to_near_ties(ref, chat_prompts, outs, max_tokens)
-    assert agreed >= 0.75 * max_tokens * len(chat_prompts), f"gguf blocks: only {agreed} tokens agreed"
+    at_top = check_within_near_ties(ref, chat_prompts, outs, max_tokens)
+    assert at_top >= 0.9 * max_tokens * len(chat_prompts), f"gguf blocks: only {at_top} tokens at transformers' top"
     if decoder.native is not None:
         assert decoder.native.steps > 0, "decode-only steps ran the fused C++ layers"
 
