@@ -44,7 +44,7 @@ using at::Tensor;
 constexpr int64_t kCols = 32;           // output columns per block of the layout (two B tiles)
 constexpr int64_t kDepth = 32;          // K per block: a tile row of 32 bf16 (16 pairs)
 constexpr int64_t kBlockElems = kCols * kDepth;  // 1,024 bf16, 2 KiB, contiguous
-constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the weight stream is asked for (8 KiB): measured best of 0-16
+constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the weight stream is asked for (8 KiB); 2-16 read alike (docs/KERNELS.md)
 
 // oneDNN's packed tensor: its buffer and size, through the ops torch registers for them.
 const uint16_t* onednn_data(const Tensor& packed) {

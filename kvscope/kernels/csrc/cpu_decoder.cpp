@@ -10,6 +10,12 @@
 // kvscope::paged_decode_attention (cpu_attention.cpp), both through the dispatcher so torch's
 // profiler still names them.
 //
+// In bf16 with a bf16 cache (the CPU default), three of those ops run as this file's own one-pass loops
+// instead (exact_loops): rotary in place, the k/v rows memcpy'd into their slots, and the residual adds.
+// Each rounds where ATen rounds (every product, every sum, to bf16), so the bits do not move; they save
+// the temporaries and passes of roll, cat, index_copy_ and add. The norms and silu stay ATen's, whose
+// sum order and exp a hand loop would not reproduce.
+//
 // Decode rows only (one query per sequence): a step with a prefill chunk runs decoder.py's Python
 // loop, whose attention also covers prefills.
 //
@@ -214,6 +220,30 @@ void fused_layer(Tensor& h, FusedStep& s, const Tensor* w, const int64_t* type, 
   fused_add(hp, down.data_ptr<Bf16>(), t * width);
 }
 
+// The rows' k and v into their cache slots, from wherever each lies (row strides in elements).
+void write_kv_rows(const Bf16* k, int64_t k_stride, const Bf16* v, int64_t v_stride, int64_t rows, int64_t size,
+                   const int64_t* slots, const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t slots_in_cache = k_cache.numel() / size;
+  Bf16* kc = k_cache.data_ptr<Bf16>();
+  Bf16* vc = v_cache.data_ptr<Bf16>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < slots_in_cache, "decode_layers: slot ", slots[r], " is not in the cache");
+    std::memcpy(kc + slots[r] * size, k + r * k_stride, size * sizeof(Bf16));
+    std::memcpy(vc + slots[r] * size, v + r * v_stride, size * sizeof(Bf16));
+  }
+}
+
+// Whether the dense bf16 loop may do its rotary, cache writes and residual adds in the one-pass loops
+// above: only those three, which round exactly where the ATen ops round (each product, each sum), so the
+// bits stay transformers'. The norms and silu stay ATen's: their sums and exp are ATen's own.
+bool exact_loops(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, int64_t head_dim,
+                 const Tensor& kv_cache, const Tensor& slots) {
+  auto bf16 = [](const Tensor& x) { return x.scalar_type() == at::kBFloat16 && x.is_contiguous(); };
+  return bf16(h) && bf16(kv_cache) && bf16(cos) && bf16(signed_sin) && slots.scalar_type() == at::kLong &&
+         slots.is_contiguous() && slots.numel() == h.size(0) && cos.numel() == h.size(0) * head_dim &&
+         signed_sin.numel() == cos.numel();
+}
+
 // Whether fused_layer can run this step: bfloat16 throughout, every linear on GGUF blocks, no q/k norms.
 bool can_fuse(const Tensor& h, const Tensor& cos, const Tensor& signed_sin, int64_t head_dim, const Tensor& kv_cache,
               const Tensor& slots, at::IntArrayRef linear_types, const c10::List<std::optional<Tensor>>& optional,
@@ -256,7 +286,7 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) >= layers && kv_cache.is_contiguous(),
               "decode_layers: kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous");
   TORCH_CHECK(q_size % head_dim == 0 && kv_size % head_dim == 0, "decode_layers: sizes not in whole heads");
-  const int64_t t = hidden.size(0), d = head_dim, heads = q_size / d, kv_heads = kv_size / d;
+  const int64_t t = hidden.size(0), width = hidden.size(1), d = head_dim, heads = q_size / d, kv_heads = kv_size / d;
   if (fused && can_fuse(hidden, cos, signed_sin, d, kv_cache, slot_mapping, linear_types, optional, weights)) {
     FusedStep step{cos, signed_sin, slot_mapping, block_tables, seq_lens, seq_ids, rows, q_size, kv_size, d,
                    intermediate, at::empty_like(hidden), at::empty({t, heads, d}, hidden.options()),
@@ -271,7 +301,9 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
     }
     return h;
   }
-  Tensor h = hidden;
+  const bool exact = exact_loops(hidden, cos, signed_sin, d, kv_cache, slot_mapping);
+  std::vector<float> rope_row(static_cast<size_t>(d));
+  Tensor h = exact ? hidden.clone() : hidden;  // exact: the residual adds go in place
   for (int64_t i = 0; i < layers; ++i) {
     const Tensor* w = &weights[i * kWeightsPerLayer];
     auto opt = [&](int64_t j) -> std::optional<Tensor> { return optional.get(i * kOptionalPerLayer + j); };
@@ -279,7 +311,35 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
     const int64_t* type = &linear_types[i * kLinearsPerLayer];
     const std::optional<Tensor> q_norm = opt(4), k_norm = opt(5);
 
-    const Tensor qkv = linear(rms_norm(h, w[0], e[0]), w[1], type[0], opt(0));
+    const Tensor qkv = linear(rms_norm(h, w[0], e[0]), w[1], type[0], opt(0)).contiguous();
+    const Tensor layer_cache = kv_cache.select(0, i);
+    const Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+    if (exact) {
+      const int64_t stride = q_size + 2 * kv_size;
+      Bf16* qp = qkv.data_ptr<Bf16>();
+      const Bf16 *c = cos.data_ptr<Bf16>(), *sn = signed_sin.data_ptr<Bf16>();
+      Tensor q = qkv.slice(1, 0, q_size).view({t, heads, d});
+      Tensor k = qkv.slice(1, q_size, q_size + kv_size).view({t, kv_heads, d});
+      if (!q_norm.has_value()) {  // q's and k's heads side by side in qkv: one rotary pass, in place
+        fused_rope(qp, t, stride, heads + kv_heads, d, c, sn, rope_row.data());
+      } else {
+        q = rms_norm(q, *q_norm, e[2]).contiguous();
+        k = rms_norm(k, *k_norm, e[3]).contiguous();
+        fused_rope(q.data_ptr<Bf16>(), t, q_size, heads, d, c, sn, rope_row.data());
+        fused_rope(k.data_ptr<Bf16>(), t, kv_size, kv_heads, d, c, sn, rope_row.data());
+      }
+      write_kv_rows(k.data_ptr<Bf16>(), k.stride(0), qp + q_size + kv_size, stride, t, kv_size,
+                    slot_mapping.data_ptr<int64_t>(), k_cache, v_cache);
+      Tensor attn = at::empty({t, heads, d}, qkv.options());
+      paged_attention(q, attn, k_cache, v_cache, block_tables, seq_lens, seq_ids, rows, scaling[i], windows[i]);
+      Bf16* hp = h.data_ptr<Bf16>();
+      fused_add(hp, linear(attn.view({t, q_size}), w[2], type[1], opt(1)).contiguous().data_ptr<Bf16>(), t * width);
+      const Tensor gate_up = linear(rms_norm(h, w[3], e[1]), w[4], type[2], opt(2));
+      const auto parts = gate_up.split_with_sizes({intermediate, intermediate}, -1);
+      fused_add(hp, linear(at::silu(parts[0]) * parts[1], w[5], type[3], opt(3)).contiguous().data_ptr<Bf16>(),
+                t * width);
+      continue;
+    }
     Tensor q, k, v;
     if (!q_norm.has_value()) {  // q and k side by side in the fused output: one rotary pass for both
       const Tensor qk = rope(qkv.slice(1, 0, q_size + kv_size).view({t, -1, d}), cos, signed_sin);
@@ -292,8 +352,6 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
     }
     v = qkv.slice(1, q_size + kv_size).view({t, -1, d});
 
-    const Tensor layer_cache = kv_cache.select(0, i);
-    const Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
     k_cache.view({-1, kv_heads, d}).index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
     v_cache.view({-1, kv_heads, d}).index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
     Tensor attn = at::empty(q.sizes(), q.options());
