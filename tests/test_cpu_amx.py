@@ -49,6 +49,8 @@ def test_amx_products_are_onednns_bits_up_to_32_rows(shape, bias):
         assert torch.equal(got, _onednn(p, x)), f"{rows} rows: the tiles sum in oneDNN's order, so the same bits"
     x3 = torch.randn(1, 5, shape[1], generator=gen).to(torch.bfloat16)  # [1, T, K], as transformers calls it
     assert torch.equal(torch.ops.kvscope.amx_linear(x3, p.packed, p.bias), _onednn(p, x3))
+    strided = torch.randn(shape[1], 9, generator=gen).to(torch.bfloat16).T  # rows not contiguous
+    assert torch.equal(torch.ops.kvscope.amx_linear(strided, p.packed, p.bias), _onednn(p, strided.contiguous()))
 
 
 @needs_amx
@@ -57,7 +59,7 @@ def test_longer_inputs_are_correct_and_stay_on_onednn_in_the_module():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(70, 1024, generator=gen).to(torch.bfloat16)
     exact = x.double() @ p.packed.to_dense().double().T
-    got = torch.ops.kvscope.amx_linear(x, p.packed, None)  # three chunks of 32 rows: the last one padded
+    got = torch.ops.kvscope.amx_linear(x, p.packed, None)  # chunks of 32, 32 and 6 rows: the tiles re-configured for the last
     assert (got.double() - exact).abs().max() <= exact.abs().max() * 2**-7, "within a bf16 rounding"
     p.amx = True
     assert torch.equal(p(x), _onednn(p, x)), "above AMX_MAX_ROWS the module calls oneDNN"

@@ -103,15 +103,28 @@ bool amx_blocks_match(const Tensor& packed, const Tensor& dense) {
 }
 
 #if defined(KVSCOPE_AMX)
-// _tile_loadconfig's 64 bytes (palette 1): every tile here is 16 rows of 64 bytes.
+// _tile_loadconfig's 64 bytes (palette 1): every tile here is 64 bytes wide, B tiles 16 rows (16 k-pairs),
+// A and C tiles as many rows as the chunk of x has (a tile's product costs in proportion to A's rows, so
+// 24 rows cost three quarters of 32, where padding to whole tiles of 16 made them cost all of it).
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
+
+  // rows 0-15 of a chunk of `rows` in C 0-1 and A 4, rows 16-31 in C 2-3 and A 5; B 6-7 always 16.
+  static TileConfig for_chunk(int64_t rows) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    const auto first = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
+    const auto second = static_cast<uint8_t>(std::clamp<int64_t>(rows - 16, 1, 16));
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = first;
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = second;
+    return cfg;
+  }
 };
 
 // Tiles: C 0-3 (rows 0-15 and 16-31 of a 32-row chunk, columns 0-15 and 16-31), A 4-5, B 6-7.
-// out[m, nb*32 + c] for m in [0, rows) of the chunk at x (padded to 16 or 32 rows, row stride k).
+// out[m, nb*32 + c] for m in [0, rows) of the chunk at x (row stride k), rows as the tile config says.
 template <bool kTwoRowTiles>
 inline void chunk_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t kbs, float (*c)[16][16]) {
   _tile_zero(0);
@@ -153,10 +166,7 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
   out_sizes.back() = n;
   Tensor out = at::empty(out_sizes, x.options());
   if (m == 0) return out;
-  // x padded with zero rows to whole tiles of 16: the tiles always load 16 rows; the padding's outputs are dropped
-  const int64_t padded = (m + 15) / 16 * 16;
-  Tensor xp = at::zeros({padded, k}, x.options());
-  xp.narrow(0, 0, m).copy_(x.reshape({m, k}));
+  const Tensor xc = x.reshape({m, k}).contiguous();
   std::optional<Tensor> b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "amx_linear: bias must have ", n, " values");
@@ -164,19 +174,23 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
   }
 #if defined(KVSCOPE_AMX)
   const uint16_t* w = onednn_data(packed);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   const int64_t kbs = k / kDepth;
   at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
+    int64_t configured = 0;  // the chunk size the tiles are configured for
     alignas(64) float c[4][16][16];
     for (int64_t nb = begin; nb < end; ++nb) {
       const uint16_t* wb = w + nb * kbs * kBlockElems;  // this block's 32 columns, all of K: L2-resident after
-      for (int64_t r0 = 0; r0 < padded; r0 += 32) {      // the first chunk, so each byte leaves memory once
-        const bool two = padded - r0 > 16;
+      for (int64_t r0 = 0; r0 < m; r0 += 32) {           // the first chunk, so each byte leaves memory once
+        const int64_t rows = std::min<int64_t>(m - r0, 32);
+        if (rows != configured) {
+          const TileConfig cfg = TileConfig::for_chunk(rows);
+          _tile_loadconfig(&cfg);
+          configured = rows;
+        }
+        const bool two = rows > 16;
         if (two)
           chunk_block<true>(xs + r0 * k, k, wb, kbs, c);
         else
