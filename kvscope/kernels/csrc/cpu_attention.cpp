@@ -290,7 +290,6 @@ void attend_bf16(const Shapes& s, Scratch& w, const c10::BFloat16* query, c10::B
 
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
   const int64_t row_stride = s.kv_heads * d;
-  const int64_t span = nkv * d;
   const int64_t first_block = first / bs, end_block = (seq_len + bs - 1) / bs;
   auto block_start = [&](int64_t b) { return static_cast<int64_t>(table[b]) * bs * row_stride + kv_head0 * d; };
   const uint16_t* kc = reinterpret_cast<const uint16_t*>(k_cache);
@@ -300,12 +299,14 @@ void attend_bf16(const Shapes& s, Scratch& w, const c10::BFloat16* query, c10::B
     const int64_t t1 = std::min<int64_t>(seq_len - b * bs, bs);
     const int64_t n = t1 - t0;
     const int64_t base = block_start(b) + t0 * row_stride;
-    if (b + 1 < end_block) {
-      const int64_t rows = std::min<int64_t>(seq_len - (b + 1) * bs, bs);
-      prefetch_block(k_cache + block_start(b + 1), rows, row_stride, span * sizeof(uint16_t));
-      prefetch_block(v_cache + block_start(b + 1), rows, row_stride, span * sizeof(uint16_t));
-    }
+    // The next block's rows of this KV head, asked for while this head's work runs: spread over the block,
+    // not all of the next block at once (which measured 5-14% slower in one process, A B A B).
+    const int64_t next_rows = b + 1 < end_block ? std::min<int64_t>(seq_len - (b + 1) * bs, bs) : 0;
     for (int64_t kh = 0; kh < nkv; ++kh) {
+      if (next_rows) {
+        prefetch_block(k_cache + block_start(b + 1) + kh * d, next_rows, row_stride, d * sizeof(uint16_t));
+        prefetch_block(v_cache + block_start(b + 1) + kh * d, next_rows, row_stride, d * sizeof(uint16_t));
+      }
       const uint16_t* krows = kc + base + kh * d;
       const uint16_t* vrows = vc + base + kh * d;
       for (int64_t h = kh * g; h < (kh + 1) * g; ++h)

@@ -28,6 +28,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -124,6 +125,22 @@ using Bf16 = c10::BFloat16;
 
 inline float bf(float x) { return static_cast<float>(Bf16(x)); }  // round to nearest even, as ATen
 
+// The same conversions on raw bits, written so that `omp simd` loops vectorise them (c10::BFloat16's
+// own are calls the compiler keeps scalar): c10's round to nearest even, a NaN to 0x7fc0.
+inline float widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint16_t narrow(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const auto rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : rounded;
+}
+inline float round_bf16(float f) { return widen(narrow(f)); }
+
 // out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)): decoder.py's Norm.
 void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64_t width, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -142,26 +159,34 @@ void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64
 
 // Rotary on the first `heads` heads of each row of qkv [rows, stride] (q's heads, then k's), in place:
 // x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded (decoder.py's _rope). `x`: d floats.
+// The roll is two loops (the halves swap), not an index modulo d: a division per value made this
+// loop 3-4x slower than the vectorised halves, about 10 ms of a 24-row Qwen3-0.6B-shape decode step.
 void fused_rope(Bf16* qkv, int64_t rows, int64_t stride, int64_t heads, int64_t d, const Bf16* cos,
                 const Bf16* signed_sin, float* x) {
   const int64_t half = d / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    const Bf16* c = cos + r * d;
-    const Bf16* s = signed_sin + r * d;
+    const auto* c = reinterpret_cast<const uint16_t*>(cos + r * d);
+    const auto* s = reinterpret_cast<const uint16_t*>(signed_sin + r * d);
     for (int64_t h = 0; h < heads; ++h) {
-      Bf16* v = qkv + r * stride + h * d;
-      for (int64_t i = 0; i < d; ++i) x[i] = static_cast<float>(v[i]);
-      for (int64_t i = 0; i < d; ++i) {
-        const float rolled = x[(i + half) % d];
-        v[i] = Bf16(bf(x[i] * static_cast<float>(c[i])) + bf(rolled * static_cast<float>(s[i])));
-      }
+      auto* v = reinterpret_cast<uint16_t*>(qkv + r * stride + h * d);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) x[i] = widen(v[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i)
+        v[i] = narrow(round_bf16(x[i] * widen(c[i])) + round_bf16(x[i + half] * widen(s[i])));
+#pragma omp simd
+      for (int64_t i = half; i < d; ++i)
+        v[i] = narrow(round_bf16(x[i] * widen(c[i])) + round_bf16(x[i - half] * widen(s[i])));
     }
   }
 }
 
 // h += y, rounded (a residual add in bfloat16).
 void fused_add(Bf16* h, const Bf16* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) h[i] = Bf16(static_cast<float>(h[i]) + static_cast<float>(y[i]));
+  auto* hb = reinterpret_cast<uint16_t*>(h);
+  const auto* yb = reinterpret_cast<const uint16_t*>(y);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) hb[i] = narrow(widen(hb[i]) + widen(yb[i]));
 }
 
 // out[r] = bf16(silu(gate)) * up, rounded, from gate_up [rows, 2 * inter].
