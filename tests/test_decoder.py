@@ -144,3 +144,24 @@ def test_a_model_without_llama_layers_is_refused_by_build():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     decoder, why = PagedDecoder.build(model)
     assert decoder is None and why == "GPT2LMHeadModel is not a llama-family model"
+
+
+@pytest.mark.skipif(not _native_available(), reason="the CPU kernels did not build here")
+@pytest.mark.parametrize("shape", [(1, 576), (24, 1024), (300, 1024), (5, 3, 128), (2, 3000)])
+def test_the_native_bf16_norm_is_the_python_norms_bits(shape):
+    from kvscope.engine.decoder import Norm
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    for scale in (1e-3, 1.0, 40.0):
+        x = (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+        norm = Norm(torch.randn(shape[-1], generator=gen).to(torch.bfloat16), 1e-6)
+        assert torch.equal(norm(x, native=True), norm(x)), f"{shape} x {scale}"
+    qkv = torch.randn(7, 3 * 128 + 2 * 64, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : 3 * 128].view(7, 3, 128)  # a view into the fused projection, as Qwen3's q norm gets it
+    norm = Norm(torch.randn(128, generator=gen).to(torch.bfloat16), 1e-6)
+    assert torch.equal(norm(q, native=True), norm(q))
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    norm = Norm(torch.randn(64, generator=gen).to(torch.bfloat16), 1e-5)
+    got, want = norm(x, native=True), norm(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))

@@ -7,8 +7,9 @@ third of a one-request step. This forward walks the same modules' weights with t
 that give the same bits: q/k/v and gate/up as one packed GEMM each (cpu_linear.py), the rotary
 tables once per step, the paged attention ops directly, and the final norm and lm_head on the
 sampled rows only. Every operation that rounds (norms, rotary, residual adds, activations) is
-transformers' own, in its order and dtype, so the greedy tokens are transformers' (tests/test_decoder.py
-compares logits bit for bit). A model whose structure is not exactly this (another norm, activation,
+transformers' own, in its order and dtype, or (a bf16 RMSNorm once the CPU kernels are loaded) a loop
+that rounds where it rounds and sums in ATen's own mean, so the greedy tokens are transformers'
+(tests/test_decoder.py compares logits bit for bit). A model whose structure is not exactly this (another norm, activation,
 or layer type) keeps transformers' forward; `build` says why.
 """
 
@@ -39,8 +40,12 @@ class Norm:
     weight: torch.Tensor
     eps: float
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' llama RMSNorm: in float32, then the weight times the input dtype's rounding."""
+    def __call__(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """transformers' llama RMSNorm: in float32, then the weight times the input dtype's rounding.
+        native: the CPU kernels are loaded, so bf16 runs kvscope::rms_norm (csrc/cpu_decoder.cpp), the same
+        bits in two passes and ATen's own mean instead of seven calls."""
+        if native and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            return torch.ops.kvscope.rms_norm(x, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -138,7 +143,7 @@ class PagedDecoder:
         return cls(model, on_blocks, q_size, kv_size, head_dim, cfg.intermediate_size,
                    gguf.lm_head.beside(model.lm_head), dense_layers=layers), ""
 
-    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool):
         """The layer's q and k (rotated) and v, each [T, heads, D]."""
         t, d = x.shape[0], self.head_dim
         if isinstance(layer.qkv, tuple):
@@ -152,7 +157,7 @@ class PagedDecoder:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = layer.q_norm(q, native), layer.k_norm(k, native)
         return _rope(q, cos, signed_sin), _rope(k, cos, signed_sin), v
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
@@ -169,13 +174,14 @@ class PagedDecoder:
             out = native.run(h, cos, signed_sin, kv_cache, meta)
             if out is not None:
                 return self.lm_head(self.final_norm(out[keep]))
+        native = ops.name == "cpu-paged"  # the CPU kernels' library is loaded
         for layer in self.layers:
-            q, k, v = self._qkv(layer, layer.input_norm(h), cos, signed_sin)
+            q, k, v = self._qkv(layer, layer.input_norm(h, native), cos, signed_sin, native)
             k_cache, v_cache = kv_cache[layer.index]
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, layer.scaling, layer.window)
             h = h + layer.o_proj(attn.reshape(t, -1))
-            x = layer.post_norm(h)
+            x = layer.post_norm(h, native)
             if isinstance(layer.gate_up, tuple):
                 gate, up = (m(x) for m in layer.gate_up)
             else:

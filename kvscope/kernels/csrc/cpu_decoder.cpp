@@ -13,8 +13,9 @@
 // In bf16 with a bf16 cache (the CPU default), three of those ops run as this file's own one-pass loops
 // instead (exact_loops): rotary in place, the k/v rows memcpy'd into their slots, and the residual adds.
 // Each rounds where ATen rounds (every product, every sum, to bf16), so the bits do not move; they save
-// the temporaries and passes of roll, cat, index_copy_ and add. The norms and silu stay ATen's, whose
-// sum order and exp a hand loop would not reproduce.
+// the temporaries and passes of roll, cat, index_copy_ and add. A bf16 RMSNorm is two such loops around
+// ATen's own mean (rms_norm_bf16, also kvscope::rms_norm for decoder.py's prefill loop): the sum of squares
+// is ATen's, in ATen's order, which a hand loop would not reproduce. silu stays ATen's (its exp).
 //
 // Decode rows only (one query per sequence): a step with a prefill chunk runs decoder.py's Python
 // loop, whose attention also covers prefills.
@@ -22,11 +23,13 @@
 // Registered as kvscope::decode_layers.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -90,7 +93,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, int64_t type, const std::op
 }
 
 // decoder.py's Norm: transformers' llama RMSNorm, in float32, then weight times the input dtype's rounding.
+Tensor rms_norm_bf16(const Tensor& x, const Tensor& weight, double eps);
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 1 &&
+      weight.is_contiguous() && x.dim() >= 1 && weight.numel() == x.size(-1) && x.numel() > 0)
+    return rms_norm_bf16(x, weight, eps);
   Tensor h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps);
   return weight * h.to(x.scalar_type());
@@ -140,6 +148,43 @@ inline uint16_t narrow(float f) {
   return (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : rounded;
 }
 inline float round_bf16(float f) { return widen(narrow(f)); }
+
+// decoder.py's Norm on bf16 x and weight, in two passes of this file's own and ATen's mean: the squares
+// (as pow(2) makes them: x * x in fp32), then ATen's mean of them (so the sum is added in ATen's order), then
+// w * bf16(x * (1 / sqrt(mean + eps))), each step rounded where the ATen ops round (fp32, then bf16 at `to` and
+// at the weight's product). The same bits as the seven ATen calls, with two temporaries fewer.
+Tensor rms_norm_bf16(const Tensor& x, const Tensor& weight, double eps) {
+  const Tensor xc = x.contiguous();
+  const int64_t width = xc.size(-1), rows = xc.numel() / width;
+  const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  Tensor squares = at::empty({rows, width}, xc.options().dtype(at::kFloat));
+  float* sq = squares.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / width);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float v = widen(xb[r * width + i]);
+        sq[r * width + i] = v * v;
+      }
+    }
+  });
+  const Tensor mean = at::mean(squares, {-1});
+  const float* mp = mean.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  Tensor out = at::empty_like(xc);
+  auto* ob = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float inv = 1.f / std::sqrt(mp[r] + e);
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i)
+        ob[r * width + i] = narrow(widen(wb[i]) * round_bf16(widen(xb[r * width + i]) * inv));
+    }
+  });
+  return out;
+}
 
 // out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)): decoder.py's Norm.
 void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64_t width, double eps) {
@@ -393,6 +438,7 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor[] weights, "
         "int[] linear_types, Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
@@ -400,5 +446,8 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
 }
 
 // The packed weights are oneDNN tensors (dispatch key MkldnnCPU), which outrank CPU in dispatch.
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("rms_norm", &rms_norm);
+}
 TORCH_LIBRARY_IMPL(kvscope, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
