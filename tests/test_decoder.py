@@ -165,3 +165,31 @@ def test_the_native_bf16_norm_is_the_python_norms_bits(shape):
     norm = Norm(torch.randn(64, generator=gen).to(torch.bfloat16), 1e-5)
     got, want = norm(x, native=True), norm(x)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@pytest.mark.skipif(not _native_available(), reason="the CPU kernels did not build here")
+def test_the_in_place_rotary_and_cache_writes_are_the_reference_bits():
+    from kvscope.engine.decoder import _rope, _rope_in_place
+    from kvscope.kernels import reference
+
+    gen = torch.Generator().manual_seed(5)
+    t, heads, kv_heads, d = 37, 4, 2, 64
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen) * 8).to(torch.bfloat16)
+    cos = torch.randn(t, 1, d, generator=gen).to(torch.bfloat16)
+    sin = torch.randn(t, 1, d, generator=gen).to(torch.bfloat16)
+    signed_sin = torch.cat((-sin[..., : d // 2], sin[..., d // 2:]), dim=-1)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, -1, d)
+    want = _rope(qk, cos, signed_sin)
+    got = _rope_in_place(qk, cos, signed_sin)
+    assert got.data_ptr() == qk.data_ptr() and torch.equal(got, want)
+
+    k, v = qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    slots = torch.randperm(16 * 8, generator=gen)[:t]
+    caches = [torch.zeros(8, 16, kv_heads, d, dtype=torch.bfloat16) for _ in range(4)]
+    reference.write_kv(k, v, caches[0], caches[1], slots)
+    cpu_attention.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot 128 is not in the cache"):
+        torch.ops.kvscope.write_kv(k[:1], v[:1], caches[2], caches[3], torch.tensor([128]))
+    with pytest.raises(RuntimeError, match="slot -1 is not in the cache"):
+        torch.ops.kvscope.write_kv(k[:1], v[:1], caches[2], caches[3], torch.tensor([-1]))

@@ -79,6 +79,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def _rope_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """_rope's bits in one pass over x, in place (kvscope::rope_, csrc/cpu_decoder.cpp): bf16 on the CPU kernels."""
+    torch.ops.kvscope.rope_(x, cos, signed_sin)
+    return x
+
+
 class PagedDecoder:
     """One step's forward over the paged cache: packed token ids in, logits of the kept rows out."""
 
@@ -146,19 +152,21 @@ class PagedDecoder:
     def _qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool):
         """The layer's q and k (rotated) and v, each [T, heads, D]."""
         t, d = x.shape[0], self.head_dim
+        # the projections' outputs are fresh tensors, so rotating them in place touches nothing else
+        rope = _rope_in_place if native and x.dtype == torch.bfloat16 and cos.dtype == torch.bfloat16 else _rope
         if isinstance(layer.qkv, tuple):
             q, k, v = (m(x) for m in layer.qkv)
         else:
             qkv = layer.qkv(x)
             if layer.q_norm is None:  # q and k side by side in the fused output: one rotary pass for both
-                qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos, signed_sin)
+                qk = rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos, signed_sin)
                 heads = self.q_size // d
                 return qk[:, :heads], qk[:, heads:], qkv[:, self.q_size + self.kv_size :].view(t, -1, d)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q, native), layer.k_norm(k, native)
-        return _rope(q, cos, signed_sin), _rope(k, cos, signed_sin), v
+        return rope(q, cos, signed_sin), rope(k, cos, signed_sin), v
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:

@@ -42,10 +42,22 @@ FLAG_SETS = (
 )
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
-write_kv = reference.write_kv  # already one pass (index_copy into the pages)
 
 _loaded: str | None = None  # the library's path, once loaded in this process
 _failed: str | None = None  # why the build failed, once it has (not tried again in this process)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """reference.write_kv's result; bf16 rows into a bf16 cache as one memcpy a row (kvscope::write_kv)."""
+    bf16 = torch.bfloat16
+    if (key.dtype == bf16 and value.dtype == bf16 and k_cache.dtype == bf16 and v_cache.dtype == bf16
+            and key.dim() == 3 and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+            and value.stride(2) == 1 and value.stride(1) == value.shape[2]
+            and slot_mapping.dtype == torch.long and _loaded is not None):
+        torch.ops.kvscope.write_kv(key, value, k_cache, v_cache, slot_mapping.contiguous())
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def forced_reference() -> bool:

@@ -297,10 +297,49 @@ void write_kv_rows(const Bf16* k, int64_t k_stride, const Bf16* v, int64_t v_str
   Bf16* kc = k_cache.data_ptr<Bf16>();
   Bf16* vc = v_cache.data_ptr<Bf16>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slots[r] >= 0 && slots[r] < slots_in_cache, "decode_layers: slot ", slots[r], " is not in the cache");
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < slots_in_cache, "kvscope: slot ", slots[r], " is not in the cache");
     std::memcpy(kc + slots[r] * size, k + r * k_stride, size * sizeof(Bf16));
     std::memcpy(vc + slots[r] * size, v + r * v_stride, size * sizeof(Bf16));
   }
+}
+
+// kvscope::rope_: decoder.py's _rope in place on x [T, H, D] (bf16; each row's heads side by side, D
+// contiguous), with cos and signed_sin [T, 1, D] bf16. For its prefill loop: one pass, no temporaries.
+void rope_inplace(Tensor x, const Tensor& cos, const Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                  x.size(2) % 2 == 0,
+              "rope_: x must be bf16 [T, H, D], its heads side by side and D contiguous");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
+  auto table = [&](const Tensor& c, const char* name) {
+    TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.numel() == t * d, "rope_: ", name,
+                " must be bf16 [T, 1, D], contiguous");
+    return c.data_ptr<Bf16>();
+  };
+  const Bf16 *c = table(cos, "cos"), *sn = table(signed_sin, "signed_sin");
+  Bf16* base = x.data_ptr<Bf16>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, t, std::max<int64_t>(1, 4096 / (heads * d)), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(d));
+    fused_rope(base + begin * stride, end - begin, stride, heads, d, c + begin * d, sn + begin * d, row.data());
+  });
+}
+
+// kvscope::write_kv: k and v [T, KVH, D] (bf16, each row's heads side by side) into the bf16 caches'
+// slots, one memcpy a row (index_copy_ takes a slower path for the same bytes). Each slot is checked.
+void write_kv(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache, const Tensor& slots) {
+  auto rows_ok = [](const Tensor& x) {
+    return x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 && x.stride(1) == x.size(2);
+  };
+  TORCH_CHECK(rows_ok(k) && rows_ok(v) && k.sizes() == v.sizes(), "write_kv: k and v must be bf16 [T, KVH, D]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == at::kBFloat16,
+              "write_kv: the caches must be bf16, contiguous, of one shape");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "write_kv: slot_mapping must be int64, one slot a row");
+  const int64_t size = k.size(1) * k.size(2);
+  TORCH_CHECK(k_cache.numel() % size == 0, "write_kv: the cache rows are not KVH * D wide");
+  write_kv_rows(k.data_ptr<Bf16>(), k.stride(0), v.data_ptr<Bf16>(), v.stride(0), k.size(0), size,
+                slots.data_ptr<int64_t>(), k_cache, v_cache);
 }
 
 // Whether the dense bf16 loop may do its rotary, cache writes and residual adds in the one-pass loops
@@ -439,6 +478,8 @@ Tensor decode_layers(const Tensor& hidden, const Tensor& cos, const Tensor& sign
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor[] weights, "
         "int[] linear_types, Tensor?[] optional, float[] eps, float[] scaling, int[] windows, int q_size, int kv_size, "
@@ -449,5 +490,7 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_inplace);
+  m.impl("write_kv", &write_kv);
 }
 TORCH_LIBRARY_IMPL(kvscope, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
