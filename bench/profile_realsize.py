@@ -28,10 +28,12 @@ GROUPS = (  # first match wins: (group, substrings of the op name)
                                        "kvscope::amx_linear")),
     ("attention (sdpa, paged kernel)", ("scaled_dot_product", "_flash_attention", "aten::_softmax", "aten::baddbmm",
                                         "kvscope::paged_decode_attention")),
-    ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::gather", "aten::index")),
+    ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::gather", "aten::index",
+                           "kvscope::write_kv")),
     ("sampling (argmax, softmax, topk)", ("aten::argmax", "aten::topk", "aten::sort", "aten::multinomial")),
     ("elementwise (norms, rope, silu, add)", ("aten::mul", "aten::add", "aten::silu", "aten::rsqrt", "aten::pow",
-                                              "aten::mean", "aten::neg", "aten::cat", "aten::cos", "aten::sin")),
+                                              "aten::mean", "aten::neg", "aten::cat", "aten::cos", "aten::sin",
+                                              "kvscope::rms_norm", "kvscope::rope_")),
     ("copies / casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")),
 )
 
