@@ -131,8 +131,6 @@ void paged_attention(const Tensor& q, Tensor& out, const Tensor& k_cache, const 
 
 using Bf16 = c10::BFloat16;
 
-inline float bf(float x) { return static_cast<float>(Bf16(x)); }  // round to nearest even, as ATen
-
 // The same conversions on raw bits, written so that `omp simd` loops vectorise them (c10::BFloat16's
 // own are calls the compiler keeps scalar): c10's round to nearest even, a NaN to 0x7fc0.
 inline float widen(uint16_t b) {
@@ -198,7 +196,8 @@ void fused_rms_norm(const Bf16* x, const Bf16* w, Bf16* out, int64_t rows, int64
     }
     const float scale = 1.f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
     Bf16* o = out + r * width;
-    for (int64_t i = 0; i < width; ++i) o[i] = Bf16(static_cast<float>(w[i]) * bf(static_cast<float>(xr[i]) * scale));
+    for (int64_t i = 0; i < width; ++i)
+      o[i] = Bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(xr[i]) * scale));
   }
 }
 
@@ -242,7 +241,7 @@ void fused_silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inter)
     Bf16* o = out + r * inter;
     for (int64_t i = 0; i < inter; ++i) {
       const float x = static_cast<float>(g[i]);
-      o[i] = Bf16(bf(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+      o[i] = Bf16(round_bf16(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
     }
   }
 }
