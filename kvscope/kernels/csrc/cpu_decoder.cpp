@@ -246,13 +246,16 @@ void fused_silu_mul(const Bf16* gate_up, Bf16* out, int64_t rows, int64_t inter)
   }
 }
 
-// The rows' k and v (in qkv at `k_at` and `v_at`) into their cache slots: kv_heads * d values each.
-void fused_write_kv(const Bf16* qkv, int64_t rows, int64_t stride, int64_t k_at, int64_t v_at, int64_t size,
-                    const int64_t* slots, Bf16* k_cache, Bf16* v_cache) {
+// The rows' k and v into their cache slots, from wherever each lies (row strides in elements).
+void write_kv_rows(const Bf16* k, int64_t k_stride, const Bf16* v, int64_t v_stride, int64_t rows, int64_t size,
+                   const int64_t* slots, const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t slots_in_cache = k_cache.numel() / size;
+  Bf16* kc = k_cache.data_ptr<Bf16>();
+  Bf16* vc = v_cache.data_ptr<Bf16>();
   for (int64_t r = 0; r < rows; ++r) {
-    if (slots[r] < 0) continue;  // a padded row (as index_copy_ would refuse, none are sent)
-    std::memcpy(k_cache + slots[r] * size, qkv + r * stride + k_at, size * sizeof(Bf16));
-    std::memcpy(v_cache + slots[r] * size, qkv + r * stride + v_at, size * sizeof(Bf16));
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < slots_in_cache, "kvscope: slot ", slots[r], " is not in the cache");
+    std::memcpy(kc + slots[r] * size, k + r * k_stride, size * sizeof(Bf16));
+    std::memcpy(vc + slots[r] * size, v + r * v_stride, size * sizeof(Bf16));
   }
 }
 
@@ -276,8 +279,8 @@ void fused_layer(Tensor& h, FusedStep& s, const Tensor* w, const int64_t* type, 
   Bf16* qp = qkv.data_ptr<Bf16>();
   fused_rope(qp, t, stride, heads + s.kv_size / d, d, s.cos.data_ptr<Bf16>(), s.signed_sin.data_ptr<Bf16>(),
              s.rope_row.data());
-  fused_write_kv(qp, t, stride, s.q_size, s.q_size + s.kv_size, s.kv_size, s.slots.data_ptr<int64_t>(),
-                 k_cache.data_ptr<Bf16>(), v_cache.data_ptr<Bf16>());
+  write_kv_rows(qp + s.q_size, stride, qp + s.q_size + s.kv_size, stride, t, s.kv_size, s.slots.data_ptr<int64_t>(),
+                k_cache, v_cache);
   const Tensor q = qkv.slice(1, 0, s.q_size).view({t, heads, d});
   paged_attention(q, s.attn, k_cache, v_cache, s.block_tables, s.seq_lens, s.seq_ids, s.rows, scaling, window);
   Tensor o = linear(s.attn.view({t, s.q_size}), w[2], type[1], bias[1]).contiguous();
@@ -287,19 +290,6 @@ void fused_layer(Tensor& h, FusedStep& s, const Tensor* w, const int64_t* type, 
   fused_silu_mul(gate_up.data_ptr<Bf16>(), s.act.data_ptr<Bf16>(), t, s.intermediate);
   Tensor down = linear(s.act, w[5], type[3], bias[3]).contiguous();
   fused_add(hp, down.data_ptr<Bf16>(), t * width);
-}
-
-// The rows' k and v into their cache slots, from wherever each lies (row strides in elements).
-void write_kv_rows(const Bf16* k, int64_t k_stride, const Bf16* v, int64_t v_stride, int64_t rows, int64_t size,
-                   const int64_t* slots, const Tensor& k_cache, const Tensor& v_cache) {
-  const int64_t slots_in_cache = k_cache.numel() / size;
-  Bf16* kc = k_cache.data_ptr<Bf16>();
-  Bf16* vc = v_cache.data_ptr<Bf16>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slots[r] >= 0 && slots[r] < slots_in_cache, "kvscope: slot ", slots[r], " is not in the cache");
-    std::memcpy(kc + slots[r] * size, k + r * k_stride, size * sizeof(Bf16));
-    std::memcpy(vc + slots[r] * size, v + r * v_stride, size * sizeof(Bf16));
-  }
 }
 
 // kvscope::rope_: decoder.py's _rope in place on x [T, H, D] (bf16; each row's heads side by side, D
