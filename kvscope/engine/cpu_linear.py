@@ -47,6 +47,17 @@ PACK_ROWS_HINT = 64  # the batch size oneDNN is told to expect: measured indiffe
 # kAmxMaxRows is the same.
 AMX_MAX_ROWS = 32
 AMX_ENV = "KVSCOPE_AMX"  # "0": every packed linear on oneDNN's call (for comparing)
+# Where there is no AMX but AVX-512 BF16, up to this many rows run kvscope::dpbf16_linear (cpu_dpbf16.cpp):
+# on a 2-core Zen 5 it streamed Qwen3-0.6B's layers 1.6x faster than oneDNN at 1 row, 1.2x at 8, and tied
+# from 16 rows, where both are bound by the FLOPs (bench/amx_linear.py --kernel dpbf16). cpu_decoder.cpp's
+# kDpbf16MaxRows is the same.
+DPBF16_MAX_ROWS = 12
+DPBF16_ENV = "KVSCOPE_DPBF16"  # "0": no AVX-512 BF16 loop, oneDNN's call instead (for comparing)
+# oneDNN adds K in blocks, each summed from zero and then added to the output; the loop must use the same
+# blocks to give its bits. oneDNN's block depends on the shape and on whether x is one row or more (on a Zen 5:
+# 512 for one row; 512 for more where K <= 1024, else 1024), so use_dpbf16 finds both per weight shape by
+# trying these on probes.
+DPBF16_BLOCK_CANDIDATES = (512, 1024, 256, 2048, 4096)
 
 
 def _ops():
@@ -73,10 +84,16 @@ class PackedLinear(torch.nn.Module):
         self.packed = _ops()._reorder_linear_weight(w, PACK_ROWS_HINT)  # plain attribute: not in state_dict
         self.bias = bias
         self.amx = False  # use_amx: inputs of up to AMX_MAX_ROWS rows run kvscope::amx_linear on self.packed
+        # use_dpbf16: if set, inputs of up to DPBF16_MAX_ROWS rows run kvscope::dpbf16_linear, with K added in
+        # blocks of dpbf16_block[0] for one row and of dpbf16_block[1] for more (oneDNN's own)
+        self.dpbf16_block: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx and x.numel() <= AMX_MAX_ROWS * self.in_features:
             return torch.ops.kvscope.amx_linear(x, self.packed, self.bias)
+        if self.dpbf16_block and x.numel() <= DPBF16_MAX_ROWS * self.in_features:
+            block = self.dpbf16_block[0 if x.numel() == self.in_features else 1]
+            return torch.ops.kvscope.dpbf16_linear(x, self.packed, self.bias, block)
         return _ops()._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -269,3 +286,66 @@ def use_amx(model: torch.nn.Module) -> str:
         m.amx = layout_ok[shape]
         count += m.amx
     return f"{count} run decode steps (up to {AMX_MAX_ROWS} rows) on AMX tiles" if count else ""
+
+
+def dpbf16_unavailable() -> str | None:
+    """None if kvscope::dpbf16_linear can run here (the CPU kernels loaded, built with AVX-512 BF16); else why not."""
+    if os.environ.get(DPBF16_ENV, "").strip() == "0":
+        return f"{DPBF16_ENV}=0"
+    if not hasattr(torch.ops.kvscope, "dpbf16_built"):
+        return "the CPU kernels are not loaded"
+    if not torch.ops.kvscope.dpbf16_built():
+        return "no AVX-512 BF16 here"
+    return None
+
+
+def _onednn_blocks(m: PackedLinear) -> tuple[int, int] | None:
+    """The K blocks (one row, more rows) with which kvscope::dpbf16_linear gives oneDNN's bits for m's shape, or
+    None: its packed bytes must be dpbf16_linear's layout of the dense weight, and the products of probes of random
+    values (1 row; 2, 7 and DPBF16_MAX_ROWS rows) equal oneDNN's, bit for bit."""
+    n, k = m.out_features, m.in_features
+    if n % 64 or k % 2 or torch.ops.mkldnn._nbytes(m.packed) != 2 * n * k:
+        return None
+    if not torch.ops.kvscope.dpbf16_blocks_match(m.packed, m.packed.to_dense()):
+        return None
+    gen = torch.Generator().manual_seed(k * 7919 + n)
+    # blocks of K or more are all one block: try one of them
+    candidates = [b for b in DPBF16_BLOCK_CANDIDATES if b < k] + [min(b for b in DPBF16_BLOCK_CANDIDATES if b >= k)
+                                                                  if k <= max(DPBF16_BLOCK_CANDIDATES) else k]
+    found = []
+    for rows in ((1,), (2, 7, DPBF16_MAX_ROWS)):
+        probes = [torch.randn(r, k, generator=gen).to(torch.bfloat16) for r in rows]
+        expected = [_ops()._linear_pointwise(x, m.packed, m.bias, "none", [], "") for x in probes]
+        block = next((b for b in candidates
+                      if all(torch.equal(torch.ops.kvscope.dpbf16_linear(x, m.packed, m.bias, b), want)
+                             for x, want in zip(probes, expected))), 0)
+        if not block:
+            return None
+        found.append(block)
+    return found[0], found[1]
+
+
+def use_dpbf16(model: torch.nn.Module) -> str:
+    """Let the model's bf16 packed linear layers that are not on AMX run inputs of up to DPBF16_MAX_ROWS rows on
+    kvscope::dpbf16_linear, in place; returns a note for start-up ("" where nothing changed). Call it after
+    cpu_attention.load() and use_amx. Idempotent.
+
+    The loop reads oneDNN's packed bytes as [N/64][K/2][64][2] and adds K in oneDNN's blocks: both depend on the
+    shape, dtype and CPU, so each distinct shape's first weight is checked (_onednn_blocks); a shape that fails
+    stays on oneDNN."""
+    available = dpbf16_unavailable() is None
+    blocks: dict[tuple[int, int, bool], tuple[int, int] | None] = {}
+    count = 0
+    with torch.inference_mode():
+        for m in model.modules():
+            if not isinstance(m, PackedLinear):
+                continue
+            if not available or m.amx or m.dtype != torch.bfloat16:  # (a model shared by engines: each sets it again)
+                m.dpbf16_block = None
+                continue
+            shape = (m.out_features, m.in_features, m.bias is not None)
+            if shape not in blocks:
+                blocks[shape] = _onednn_blocks(m)
+            m.dpbf16_block = blocks[shape]
+            count += m.dpbf16_block is not None
+    return f"{count} run decode steps (up to {DPBF16_MAX_ROWS} rows) on AVX-512 BF16" if count else ""

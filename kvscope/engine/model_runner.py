@@ -14,7 +14,7 @@ import torch
 
 from kvscope.engine import attention
 from kvscope.engine.block_manager import blocks_needed
-from kvscope.engine.cpu_linear import use_amx
+from kvscope.engine.cpu_linear import use_amx, use_dpbf16
 from kvscope.engine.cpu_threads import StepTuner
 from kvscope.engine.decoder import PagedDecoder
 from kvscope.engine.inputs import InputBuilder
@@ -42,10 +42,10 @@ class ModelRunner:
         self.kv_cache = (zeroed_cpu_tensor(shape, dtype) if device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=device))
         self.ops = select_attention_ops(device.type)
-        if self.ops.name == "cpu-paged":  # the CPU kernels are loaded: decode-sized GEMMs on AMX tiles, where it has them
-            amx = use_amx(self.model)
-            if amx and amx not in loaded.linear_note:
-                loaded.linear_note += f"; {amx}"
+        if self.ops.name == "cpu-paged":  # the CPU kernels are loaded: decode-sized GEMMs on AMX tiles or AVX-512 BF16
+            for note in (use_amx(self.model), use_dpbf16(self.model)):
+                if note and note not in loaded.linear_note:
+                    loaded.linear_note += f"; {note}"
         self.inputs = InputBuilder(block_size, num_blocks + 1, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
         self.sampler = Sampler(seed)

@@ -30,6 +30,10 @@ from kvscope.kernels.metadata import AttentionMetadata
 
 CHOICE_ENV = "KVSCOPE_DECODE_LAYERS"  # "python": decoder.py's loop on every step
 PACKED_AMX = 2000  # cpu_decoder.cpp's kPackedAmx
+# cpu_decoder.cpp's kPackedDpbf16 and kDpbf16Shift: plus the weight's K blocks for one row (shifted) and for more
+# (cpu_linear.use_dpbf16)
+PACKED_DPBF16 = 1 << 40
+DPBF16_SHIFT = 20
 FUSE_ENV = "KVSCOPE_FUSE_ELEMENTWISE"  # "0": the ATen ops around the GEMMs on GGUF blocks too (for comparing)
 
 
@@ -38,13 +42,23 @@ def available() -> bool:
     return not cpu_attention.forced_reference() and hasattr(torch.ops.kvscope, "decode_layers")
 
 
+def _linear_type(m: PackedLinear | GgufLinear) -> int:
+    if isinstance(m, GgufLinear):
+        return m.ggml_type
+    if m.dpbf16_block:
+        one, more = m.dpbf16_block
+        return PACKED_DPBF16 + (one << DPBF16_SHIFT) + more
+    return PACKED_AMX if m.amx else 0
+
+
 @dataclass(frozen=True)
 class NativeLayers:
     """The layers' weights flattened in the order cpu_decoder.cpp reads them."""
 
     weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post norm, gate_up, down (packed, or GGUF blocks)
     # per layer's qkv, o, gate_up, down: 0 oneDNN-packed; PACKED_AMX the same, decode rows on AMX tiles
-    # (cpu_linear.use_amx); else the GGUF blocks' GGML type (or its x16 id)
+    # (cpu_linear.use_amx); PACKED_DPBF16 + K blocks the same, decode rows on AVX-512 BF16 (use_dpbf16); else
+    # the GGUF blocks' GGML type (or its x16 id)
     linear_types: list[int]
     optional: list[torch.Tensor | None]  # per layer: qkv, o, gate_up, down biases; q norm, k norm
     eps: list[float]  # per layer: input norm, post norm, q norm, k norm
@@ -72,14 +86,16 @@ class NativeLayers:
                 return None, f"layer {layer.index}: linear layers not packed into oneDNN's layout"
             qkv, o, gate_up, down = (m.blocks if isinstance(m, GgufLinear) else m.packed for m in linears)
             weights += [layer.input_norm.weight, qkv, o, layer.post_norm.weight, gate_up, down]
-            types += [m.ggml_type if isinstance(m, GgufLinear) else PACKED_AMX if m.amx else 0 for m in linears]
+            types += [_linear_type(m) for m in linears]
             optional += [m.bias for m in linears]
             optional += [layer.q_norm and layer.q_norm.weight, layer.k_norm and layer.k_norm.weight]
             eps += [layer.input_norm.eps, layer.post_norm.eps, layer.q_norm.eps if layer.q_norm else 0.0,
                     layer.k_norm.eps if layer.k_norm else 0.0]
             scaling.append(float(layer.scaling))
             windows.append(int(layer.window or 0))
-        fused = all(t not in (0, PACKED_AMX) for t in types) and os.environ.get(FUSE_ENV, "").strip() != "0"
+        on_blocks = all(isinstance(m, GgufLinear) for layer in layers
+                        for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        fused = on_blocks and os.environ.get(FUSE_ENV, "").strip() != "0"
         return cls(weights, types, optional, eps, scaling, windows, q_size, kv_size, head_dim, intermediate,
                    fused), ""
 

@@ -29,7 +29,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # one library: the attention op, linear layers over GGUF blocks (cpu_gguf.cpp), bf16 linear layers of few rows on
 # AMX tiles (cpu_amx.cpp), and the decode step's layers that call them (cpu_decoder.cpp)
 SOURCES = tuple(os.path.join(_CSRC, name)
-                for name in ("cpu_attention.cpp", "cpu_gguf.cpp", "cpu_amx.cpp", "cpu_decoder.cpp"))
+                for name in ("cpu_attention.cpp", "cpu_gguf.cpp", "cpu_amx.cpp", "cpu_dpbf16.cpp", "cpu_decoder.cpp"))
 LIBRARY_NAME = "kvscope_cpu_attention"
 CHOICE_ENV = "KVSCOPE_CPU_ATTENTION"  # "reference" forces the torch reference
 CACHE_ENV = "KVSCOPE_CACHE_DIR"

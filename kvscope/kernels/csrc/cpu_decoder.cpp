@@ -79,16 +79,36 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
   return op.call(x, packed, bias);
 }
 
+// y = x W^T + b with AVX-512 BF16, reading the weight oneDNN packed, K added in oneDNN's blocks (cpu_dpbf16.cpp).
+Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t block_k) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvscope::dpbf16_linear", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t)>();
+  return op.call(x, packed, bias, block_k);
+}
+
 // A linear's type: 0 oneDNN-packed; kPackedAmx oneDNN-packed in the layout amx_linear reads (cpu_linear.py's
 // use_amx checked it), run there up to kAmxMaxRows rows (cpu_linear.AMX_MAX_ROWS) and on oneDNN above;
-// otherwise the GGML type of the weight's blocks, or their x16 id (cpu_gguf.cpp).
+// kPackedDpbf16 + (one row's K block << kDpbf16Shift) + more rows' K block: oneDNN-packed in the layout
+// dpbf16_linear reads, with oneDNN's K blocks (use_dpbf16 found them), run there up to kDpbf16MaxRows rows
+// (cpu_linear.DPBF16_MAX_ROWS) and on oneDNN above; otherwise the GGML type of the weight's blocks, or their
+// x16 id (cpu_gguf.cpp).
 constexpr int64_t kPackedAmx = 2000;
 constexpr int64_t kAmxMaxRows = 32;
+constexpr int64_t kPackedDpbf16 = int64_t{1} << 40;  // above every GGML type and x16 id
+constexpr int64_t kDpbf16Shift = 20;
+constexpr int64_t kDpbf16MaxRows = 12;
 
-inline bool on_gguf_blocks(int64_t type) { return type != 0 && type != kPackedAmx; }
+inline bool on_dpbf16(int64_t type) { return type > kPackedDpbf16; }
+inline bool on_gguf_blocks(int64_t type) { return type != 0 && type != kPackedAmx && !on_dpbf16(type); }
 
 Tensor linear(const Tensor& x, const Tensor& weight, int64_t type, const std::optional<Tensor>& bias) {
   if (type == kPackedAmx && x.size(0) <= kAmxMaxRows) return amx_linear(x, weight, bias);
+  if (on_dpbf16(type) && x.size(0) <= kDpbf16MaxRows) {
+    const int64_t blocks = type - kPackedDpbf16, mask = (int64_t{1} << kDpbf16Shift) - 1;
+    return dpbf16_linear(x, weight, bias, x.size(0) == 1 ? blocks >> kDpbf16Shift : blocks & mask);
+  }
   return on_gguf_blocks(type) ? gguf_linear(x, weight, type, bias) : packed_linear(x, weight, bias);
 }
 

@@ -1,0 +1,188 @@
+// A decode step's bf16 linear layers with AVX-512 BF16 (vdpbf16ps), reading the weight oneDNN packed in place:
+// cpu_amx.cpp's counterpart for CPUs with avx512_bf16 and no AMX (AMD Zen 4 and 5, Intel Cooper Lake).
+//
+// At a decode step's few rows a GEMM should run at the memory's read bandwidth, or at the FLOP peak where the
+// rows are many enough. oneDNN's packed call does neither at these shapes: on a 2-core Zen 5 it streamed
+// Qwen3-0.6B's 28 layers of linear weights (0.88 GB) at 17.5 GB/s at 1-8 rows, where a copy reads 28-35 GB/s,
+// and reached 265 GFLOP/s at 24 rows, where it makes 400 on a weight in cache (bench/dpbf16_linear.py).
+// This loop walks a panel of 64 output columns through K in chunks of 16 KiB of weight, each chunk in L1
+// while every group of 6 rows of x multiplies it, so each weight byte leaves memory once per call.
+//
+// The weight is the one oneDNN already holds: on these CPUs oneDNN lays a bf16 [N, K] weight out as
+// [N/64][K/2][64 n][2 k], so one 64-byte load is 16 output columns' next pair of k, as vdpbf16ps takes them.
+// cpu_linear.py checks, for every weight shape, that its packed bytes are exactly this layout of the dense
+// weight (kvscope::dpbf16_blocks_match) before using this kernel; no second copy of the weight is made.
+// Each output is one float32 sum over K in order, a pair of k at a time, as oneDNN's own kernel adds it, then
+// rounded once to bf16 (the bias, if any, added in float32 first): the same bits as oneDNN's call.
+//
+// Registered as kvscope::dpbf16_linear and kvscope::dpbf16_blocks_match; kvscope::dpbf16_built says whether
+// this build has the instructions (-march=native on a CPU with avx512_bf16).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVSCOPE_DPBF16 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kPanel = 64;           // output columns per panel of the layout: four vectors of 16 floats
+constexpr int64_t kPairElems = 2 * kPanel;  // one k-pair of a panel: 128 bf16, 256 bytes
+constexpr int64_t kChunkPairs = 64;      // k-pairs of weight per chunk: 16 KiB, kept in L1 across the row groups
+constexpr int64_t kGroupRows = 6;        // rows of x per pass: 24 accumulators, 4 weight vectors, 1 broadcast
+
+const uint16_t* onednn_data(const Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const Tensor&)>();
+  return reinterpret_cast<const uint16_t*>(op.call(packed));
+}
+
+int64_t onednn_nbytes(const Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const Tensor&)>();
+  return op.call(packed);
+}
+
+std::pair<int64_t, int64_t> checked_shape(const Tensor& packed) {
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
+              "dpbf16: the weight must be a bf16 [N, K] packed by oneDNN (cpu_linear.py)");
+  const int64_t n = packed.size(0), k = packed.size(1);
+  TORCH_CHECK(n % kPanel == 0 && k % 2 == 0 && onednn_nbytes(packed) == n * k * 2,
+              "dpbf16: a [", n, ", ", k, "] weight is not held as whole panels of 64 columns");
+  return {n, k};
+}
+
+bool dpbf16_built() {
+#if defined(KVSCOPE_DPBF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether packed's bytes are dense [N, K] laid out as [N/64][K/2][64][2], exactly.
+bool dpbf16_blocks_match(const Tensor& packed, const Tensor& dense) {
+  const auto [n, k] = checked_shape(packed);
+  TORCH_CHECK(dense.dim() == 2 && dense.size(0) == n && dense.size(1) == k && dense.scalar_type() == at::kBFloat16,
+              "dpbf16_blocks_match: the dense weight must be bf16 [", n, ", ", k, "]");
+  const Tensor w = dense.contiguous();
+  const uint16_t* blocks = onednn_data(packed);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  std::atomic<bool> same{true};
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end && same.load(std::memory_order_relaxed); ++p)
+      for (int64_t kp = 0; kp < k / 2; ++kp) {
+        const uint16_t* pair = blocks + (p * (k / 2) + kp) * kPairElems;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t e = 0; e < 2; ++e)
+            if (pair[2 * c + e] != src[(p * kPanel + c) * k + 2 * kp + e]) {
+              same = false;
+              return;
+            }
+      }
+  });
+  return same;
+}
+
+#if defined(KVSCOPE_DPBF16)
+// acc[r][0..64) += x[r] . the panel's columns over `pairs` k-pairs from k-pair `kp0`, for R rows of x (row
+// stride k); w: the chunk's first k-pair. The accumulators live in registers through the chunk.
+template <int R>
+inline void rows_by_chunk(const uint16_t* x, int64_t k, int64_t kp0, const uint16_t* w, int64_t pairs, float* acc) {
+  __m512 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) c[r][j] = _mm512_loadu_ps(acc + r * kPanel + 16 * j);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = w + p * kPairElems;
+    __m512bh b[4];
+    for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      int32_t two;
+      std::memcpy(&two, x + r * k + 2 * (kp0 + p), sizeof two);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(two);
+      for (int j = 0; j < 4; ++j) c[r][j] = _mm512_dpbf16_ps(c[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kPanel + 16 * j, c[r][j]);
+}
+
+using RowsFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*);
+constexpr RowsFn kRowsFns[kGroupRows + 1] = {nullptr, rows_by_chunk<1>, rows_by_chunk<2>, rows_by_chunk<3>,
+                                             rows_by_chunk<4>, rows_by_chunk<5>, rows_by_chunk<6>};
+#endif
+
+Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t block_k) {
+  const auto [n, k] = checked_shape(packed);
+  TORCH_CHECK(dpbf16_built(), "dpbf16_linear: this build has no AVX-512 BF16 (kvscope::dpbf16_built() is false)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == k, "dpbf16_linear: x must be bf16 [..., ", k, "]");
+  const int64_t m = x.numel() / k;
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = n;
+  Tensor out = at::empty(out_sizes, x.options());
+  if (m == 0) return out;
+  const Tensor xc = x.reshape({m, k}).contiguous();
+  std::optional<Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "dpbf16_linear: bias must have ", n, " values");
+    b = bias->to(at::kFloat).contiguous();
+  }
+#if defined(KVSCOPE_DPBF16)
+  const uint16_t* w = onednn_data(packed);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "dpbf16_linear: block_k must be a positive even number");
+  const int64_t pairs_all = k / 2, sum_pairs = block_k / 2;
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(m * kPanel)), part(acc.size());
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const uint16_t* wp = w + panel * pairs_all * kPairElems;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t sum0 = 0; sum0 < pairs_all; sum0 += sum_pairs) {
+        std::fill(part.begin(), part.end(), 0.f);
+        for (int64_t kp0 = sum0; kp0 < std::min(pairs_all, sum0 + sum_pairs); kp0 += kChunkPairs) {
+          const int64_t pairs = std::min({kChunkPairs, pairs_all - kp0, sum0 + sum_pairs - kp0});
+          for (int64_t r0 = 0; r0 < m; r0 += kGroupRows) {
+            const int64_t rows = std::min(kGroupRows, m - r0);
+            kRowsFns[rows](xs + r0 * k, k, kp0, wp + kp0 * kPairElems, pairs, part.data() + r0 * kPanel);
+          }
+        }
+        for (size_t i = 0; i < acc.size(); ++i) acc[i] += part[i];
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        c10::BFloat16* dst = o + r * n + panel * kPanel;
+        const float* a = acc.data() + r * kPanel;
+        for (int64_t j = 0; j < kPanel; ++j) dst[j] = c10::BFloat16(bp ? a[j] + bp[panel * kPanel + j] : a[j]);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("dpbf16_built() -> bool", &dpbf16_built);
+  m.def("dpbf16_linear(Tensor x, Tensor packed, Tensor? bias, int block_k) -> Tensor");
+  m.def("dpbf16_blocks_match(Tensor packed, Tensor dense) -> bool");
+}
+
+// The packed weight is a oneDNN tensor (dispatch key MkldnnCPU), which outranks CPU in dispatch.
+TORCH_LIBRARY_IMPL(kvscope, MkldnnCPU, m) {
+  m.impl("dpbf16_linear", &dpbf16_linear);
+  m.impl("dpbf16_blocks_match", &dpbf16_blocks_match);
+}
