@@ -1,14 +1,17 @@
-"""A decode step's bf16 linear layers on AMX tiles (kvscope::amx_linear) against oneDNN's own call, same packed weights.
+"""A decode step's bf16 linear layers on AMX tiles (kvscope::amx_linear) or AVX-512 BF16 (kvscope::dpbf16_linear)
+against oneDNN's own call, same packed weights.
 
     python bench/amx_linear.py [--model qwen3-0.6b-shape] [--rows 1,8,16,24,32] [--threads N]
-                               [--repeats 10] [--json FILE]
+                               [--kernel amx|dpbf16] [--repeats 10] [--json FILE]
 
 A pass is every layer's q/k/v, o, gate/up and down GEMM and then the lm_head, on `--rows` rows
 of input, as a decode step runs them (attention and norms left out), with random weights of the
 model's shapes packed by cpu_linear.py: together they are far larger than the last-level cache,
 so each pass reads them from memory. For each row count the two calls alternate on the same
 packed weights (A B A B ...); each time is the median of the repeats, GB/s the weights' bytes over
-it. The products are checked equal, bit for bit, before timing. Needs a CPU with AMX.
+it. The products are checked equal, bit for bit, before timing. --kernel: amx (a CPU with AMX) or
+dpbf16 (AVX-512 BF16 without AMX, K summed in oneDNN's blocks as cpu_linear.use_dpbf16 finds them);
+by default whichever this CPU runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b-shape", help="a built-in shape (random weights)")
     p.add_argument("--rows", default="1,8,16,24,32", help="comma-separated row counts")
     p.add_argument("--threads", type=int)
+    p.add_argument("--kernel", choices=("amx", "dpbf16"), help="default: amx where there are tiles, else dpbf16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
@@ -44,9 +48,13 @@ def main() -> int:
         p.error(f"--model: one of {', '.join(BUILTIN_SHAPES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if cpu_attention.load() is None or cpu_linear.amx_unavailable() is not None:
-        print(f"amx_linear: not available here ({cpu_linear.amx_unavailable() or 'the CPU kernels did not build'})",
-              file=sys.stderr)
+    if cpu_attention.load() is None:
+        print("amx_linear: the CPU kernels did not build here", file=sys.stderr)
+        return 2
+    kernel = args.kernel or ("amx" if cpu_linear.amx_unavailable() is None else "dpbf16")
+    why_not = cpu_linear.amx_unavailable() if kernel == "amx" else cpu_linear.dpbf16_unavailable()
+    if why_not is not None:
+        print(f"amx_linear: {kernel} is not available here ({why_not})", file=sys.stderr)
         return 2
     cfg = BUILTIN_SHAPES[args.model]
     width, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
@@ -60,23 +68,40 @@ def main() -> int:
     print(f"packing {len(shapes)} random weights of {args.model}'s shapes ...", file=sys.stderr)
     layers = [packed(n, k) for n, k in shapes]
     nbytes = sum(2 * n * k for n, k in shapes)
-    amx = torch.ops.kvscope.amx_linear
     onednn = torch.ops.mkldnn._linear_pointwise
-    result = {"model": args.model, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-              "load_average": os.getloadavg(), "weights_mb": nbytes / 1e6, "rows_out": []}
+    if kernel == "amx":
+        def ours(m, x):
+            return torch.ops.kvscope.amx_linear(x, m.packed, None)
+    else:
+        blocks = {}
+        for m in layers:
+            key = (m.out_features, m.in_features)
+            if key not in blocks:
+                blocks[key] = cpu_linear._onednn_blocks(m)
+                if blocks[key] is None:
+                    print(f"amx_linear: oneDNN's layout or K blocks for {key} are not the dpbf16 loop's here",
+                          file=sys.stderr)
+                    return 2
+            m.dpbf16_block = blocks[key]
+
+        def ours(m, x):  # the kernel itself at every row count (the engine calls it up to DPBF16_MAX_ROWS)
+            return torch.ops.kvscope.dpbf16_linear(x, m.packed, None, m.dpbf16_block[0 if x.shape[0] == 1 else 1])
+    name = "AMX" if kernel == "amx" else "dpbf16"
+    result = {"model": args.model, "kernel": kernel, "threads": torch.get_num_threads(),
+              "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
+              "weights_mb": nbytes / 1e6, "rows_out": []}
     print(f"{args.model}: {nbytes / 1e6:,.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'rows':>4} {'oneDNN ms':>10} {'GB/s':>6} {'AMX ms':>8} {'GB/s':>6} {'speed-up':>9}")
+    print(f"{'rows':>4} {'oneDNN ms':>10} {'GB/s':>6} {name + ' ms':>9} {'GB/s':>6} {'speed-up':>9}")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
-            for m in (layers[0], layers[-1]):
+            for m in layers[:4] + layers[-1:]:
                 x = xs[m.in_features]
-                if not torch.equal(amx(x, m.packed, None), onednn(x, m.packed, None, "none", [], "")):
+                if not torch.equal(ours(m, x), onednn(x, m.packed, None, "none", [], "")):
                     print(f"amx_linear: {rows} rows differ from oneDNN's products", file=sys.stderr)
                     return 1
-            calls = {"oneDNN": lambda m, x: onednn(x, m.packed, None, "none", [], ""),
-                     "AMX": lambda m, x: amx(x, m.packed, None)}
+            calls = {"oneDNN": lambda m, x: onednn(x, m.packed, None, "none", [], ""), name: ours}
             times: dict[str, list[float]] = {name: [] for name in calls}
             for i in range(args.repeats + 1):
                 for name, call in calls.items():
@@ -86,10 +111,10 @@ def main() -> int:
                     if i:  # the first round warms up
                         times[name].append(time.perf_counter() - t0)
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            print(f"{rows:>4} {ms['oneDNN']:>10.1f} {nbytes / ms['oneDNN'] / 1e6:>6.1f} {ms['AMX']:>8.1f} "
-                  f"{nbytes / ms['AMX'] / 1e6:>6.1f} {ms['oneDNN'] / ms['AMX']:>8.2f}x")
-            result["rows_out"].append({"rows": rows, "onednn_ms": ms["oneDNN"], "amx_ms": ms["AMX"],
-                                       "speedup": ms["oneDNN"] / ms["AMX"]})
+            print(f"{rows:>4} {ms['oneDNN']:>10.1f} {nbytes / ms['oneDNN'] / 1e6:>6.1f} {ms[name]:>9.1f} "
+                  f"{nbytes / ms[name] / 1e6:>6.1f} {ms['oneDNN'] / ms[name]:>8.2f}x")
+            result["rows_out"].append({"rows": rows, "onednn_ms": ms["oneDNN"], f"{kernel}_ms": ms[name],
+                                       "speedup": ms["oneDNN"] / ms[name]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

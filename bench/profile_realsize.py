@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUPS = (  # first match wins: (group, substrings of the op name)
     ("gemm (linear layers, lm_head)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
                                        "mkldnn::_linear_pointwise", "kvscope::gguf_linear",
-                                       "kvscope::amx_linear")),
+                                       "kvscope::amx_linear", "kvscope::dpbf16_linear")),
     ("attention (sdpa, paged kernel)", ("scaled_dot_product", "_flash_attention", "aten::_softmax", "aten::baddbmm",
                                         "kvscope::paged_decode_attention")),
     ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::gather", "aten::index",

@@ -48,9 +48,9 @@ PACK_ROWS_HINT = 64  # the batch size oneDNN is told to expect: measured indiffe
 AMX_MAX_ROWS = 32
 AMX_ENV = "KVSCOPE_AMX"  # "0": every packed linear on oneDNN's call (for comparing)
 # Where there is no AMX but AVX-512 BF16, up to this many rows run kvscope::dpbf16_linear (cpu_dpbf16.cpp):
-# on a 2-core Zen 5 it streamed Qwen3-0.6B's layers 1.6x faster than oneDNN at 1 row, 1.2x at 8, and tied
-# from 16 rows, where both are bound by the FLOPs (bench/amx_linear.py --kernel dpbf16). cpu_decoder.cpp's
-# kDpbf16MaxRows is the same.
+# on a 2-core Zen 5 it streamed Qwen3-0.6B's layers 1.3-1.4x as fast as oneDNN at 1 row, 1.15x at 8 and 1.03x at
+# 12; from 16 rows both are bound by vdpbf16ps itself and oneDNN is a little ahead (bench/amx_linear.py --kernel
+# dpbf16). cpu_decoder.cpp's kDpbf16MaxRows is the same.
 DPBF16_MAX_ROWS = 12
 DPBF16_ENV = "KVSCOPE_DPBF16"  # "0": no AVX-512 BF16 loop, oneDNN's call instead (for comparing)
 # oneDNN adds K in blocks, each summed from zero and then added to the output; the loop must use the same
