@@ -27,9 +27,11 @@ from kvscope.kernels.metadata import AttentionMetadata
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # one library: the attention op, linear layers over GGUF blocks (cpu_gguf.cpp), bf16 linear layers of few rows on
-# AMX tiles (cpu_amx.cpp), and the decode step's layers that call them (cpu_decoder.cpp)
+# AMX tiles (cpu_amx.cpp) or AVX-512 BF16 (cpu_dpbf16.cpp), and the decode step's layers that call them
+# (cpu_decoder.cpp)
 SOURCES = tuple(os.path.join(_CSRC, name)
                 for name in ("cpu_attention.cpp", "cpu_gguf.cpp", "cpu_amx.cpp", "cpu_dpbf16.cpp", "cpu_decoder.cpp"))
+HEADERS = (os.path.join(_CSRC, "onednn_packed.h"),)  # included by the sources: part of the build's hash
 LIBRARY_NAME = "kvscope_cpu_attention"
 CHOICE_ENV = "KVSCOPE_CPU_ATTENTION"  # "reference" forces the torch reference
 CACHE_ENV = "KVSCOPE_CACHE_DIR"
@@ -87,7 +89,7 @@ def _cpu_flags() -> str:
 
 def build_dir(flags: list[str]) -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             h.update(f.read())
     for part in (torch.__version__, " ".join(flags), _cpu_flags(), sys.platform):

@@ -30,6 +30,8 @@
 #include <optional>
 #include <vector>
 
+#include "onednn_packed.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define KVSCOPE_AMX 1
 #include <immintrin.h>
@@ -46,16 +48,8 @@ constexpr int64_t kDepth = 32;          // K per block: a tile row of 32 bf16 (1
 constexpr int64_t kBlockElems = kCols * kDepth;  // 1,024 bf16, 2 KiB, contiguous
 constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the weight stream is asked for (8 KiB); 2-16 read alike (docs/KERNELS.md)
 
-// oneDNN's packed tensor: its buffer and size, through the ops torch registers for them.
-const uint16_t* onednn_data(const Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const Tensor&)>();
-  return reinterpret_cast<const uint16_t*>(op.call(packed));
-}
-
-int64_t onednn_nbytes(const Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const Tensor&)>();
-  return op.call(packed);
-}
+using kvscope_onednn::onednn_data;
+using kvscope_onednn::onednn_nbytes;
 
 // The packed weight's [N, K], checked to be a size this layout holds without padding.
 std::pair<int64_t, int64_t> checked_shape(const Tensor& packed) {

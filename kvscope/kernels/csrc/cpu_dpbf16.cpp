@@ -31,6 +31,8 @@
 #include <optional>
 #include <vector>
 
+#include "onednn_packed.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVSCOPE_DPBF16 1
 #include <immintrin.h>
@@ -45,15 +47,8 @@ constexpr int64_t kPairElems = 2 * kPanel;  // one k-pair of a panel: 128 bf16, 
 constexpr int64_t kChunkPairs = 64;      // k-pairs of weight per chunk: 16 KiB, kept in L1 across the row groups
 constexpr int64_t kGroupRows = 6;        // rows of x per pass: 24 accumulators, 4 weight vectors, 1 broadcast
 
-const uint16_t* onednn_data(const Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::data_ptr", "").typed<int64_t(const Tensor&)>();
-  return reinterpret_cast<const uint16_t*>(op.call(packed));
-}
-
-int64_t onednn_nbytes(const Tensor& packed) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_nbytes", "").typed<int64_t(const Tensor&)>();
-  return op.call(packed);
-}
+using kvscope_onednn::onednn_data;
+using kvscope_onednn::onednn_nbytes;
 
 std::pair<int64_t, int64_t> checked_shape(const Tensor& packed) {
   TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
