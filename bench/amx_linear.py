@@ -102,15 +102,15 @@ def main() -> int:
                     print(f"amx_linear: {rows} rows differ from oneDNN's products", file=sys.stderr)
                     return 1
             calls = {"oneDNN": lambda m, x: onednn(x, m.packed, None, "none", [], ""), name: ours}
-            times: dict[str, list[float]] = {name: [] for name in calls}
+            times: dict[str, list[float]] = {label: [] for label in calls}
             for i in range(args.repeats + 1):
-                for name, call in calls.items():
+                for label, call in calls.items():
                     t0 = time.perf_counter()
                     for m in layers:
                         call(m, xs[m.in_features])
                     if i:  # the first round warms up
-                        times[name].append(time.perf_counter() - t0)
-            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                        times[label].append(time.perf_counter() - t0)
+            ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
             print(f"{rows:>4} {ms['oneDNN']:>10.1f} {nbytes / ms['oneDNN'] / 1e6:>6.1f} {ms[name]:>9.1f} "
                   f"{nbytes / ms[name] / 1e6:>6.1f} {ms['oneDNN'] / ms[name]:>8.2f}x")
             result["rows_out"].append({"rows": rows, "onednn_ms": ms["oneDNN"], f"{kernel}_ms": ms[name],
