@@ -1,19 +1,21 @@
 // A decode step's bf16 linear layers with AVX-512 BF16 (vdpbf16ps), reading the weight oneDNN packed in place:
 // cpu_amx.cpp's counterpart for CPUs with avx512_bf16 and no AMX (AMD Zen 4 and 5, Intel Cooper Lake).
 //
-// At a decode step's few rows a GEMM should run at the memory's read bandwidth, or at the FLOP peak where the
-// rows are many enough. oneDNN's packed call does neither at these shapes: on a 2-core Zen 5 it streamed
-// Qwen3-0.6B's 28 layers of linear weights (0.88 GB) at 17.5 GB/s at 1-8 rows, where a copy reads 28-35 GB/s,
-// and reached 265 GFLOP/s at 24 rows, where it makes 400 on a weight in cache (bench/dpbf16_linear.py).
-// This loop walks a panel of 64 output columns through K in chunks of 16 KiB of weight, each chunk in L1
-// while every group of 6 rows of x multiplies it, so each weight byte leaves memory once per call.
+// At a decode step's few rows a GEMM should run at the memory's read bandwidth. oneDNN's packed call does not at
+// these shapes: on a 2-core Zen 5 it streamed Qwen3-0.6B's decode weights (1.19 GB with the lm_head) at 19-23
+// GB/s at 1-8 rows, where a copy reads 26-43 GB/s (bench/amx_linear.py --kernel dpbf16). This loop walks a panel
+// of 64 output columns through K in chunks of 16 KiB of weight, each chunk in L1 while every group of 6 rows of
+// x multiplies it, so each weight byte leaves memory once per call. From about 12 rows both are bound by
+// vdpbf16ps itself (about one a cycle), and cpu_linear.py leaves those rows to oneDNN.
 //
 // The weight is the one oneDNN already holds: on these CPUs oneDNN lays a bf16 [N, K] weight out as
 // [N/64][K/2][64 n][2 k], so one 64-byte load is 16 output columns' next pair of k, as vdpbf16ps takes them.
 // cpu_linear.py checks, for every weight shape, that its packed bytes are exactly this layout of the dense
 // weight (kvscope::dpbf16_blocks_match) before using this kernel; no second copy of the weight is made.
-// Each output is one float32 sum over K in order, a pair of k at a time, as oneDNN's own kernel adds it, then
-// rounded once to bf16 (the bias, if any, added in float32 first): the same bits as oneDNN's call.
+// oneDNN adds K in blocks (block_k values each, in order, a pair at a time), each block's sum started from zero
+// and then added to the output in float32; this loop does the same with the caller's block_k, which
+// cpu_linear.use_dpbf16 finds per weight shape (oneDNN's block depends on the shape and on one row or more), then
+// rounds once to bf16 (the bias, if any, added in float32 first): the same bits as oneDNN's call.
 //
 // Registered as kvscope::dpbf16_linear and kvscope::dpbf16_blocks_match; kvscope::dpbf16_built says whether
 // this build has the instructions (-march=native on a CPU with avx512_bf16).
@@ -123,6 +125,7 @@ Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<
   const auto [n, k] = checked_shape(packed);
   TORCH_CHECK(dpbf16_built(), "dpbf16_linear: this build has no AVX-512 BF16 (kvscope::dpbf16_built() is false)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == k, "dpbf16_linear: x must be bf16 [..., ", k, "]");
+  TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "dpbf16_linear: block_k must be a positive even number");
   const int64_t m = x.numel() / k;
   std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
   out_sizes.back() = n;
@@ -139,7 +142,6 @@ Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
-  TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "dpbf16_linear: block_k must be a positive even number");
   const int64_t pairs_all = k / 2, sum_pairs = block_k / 2;
   at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(m * kPanel)), part(acc.size());
@@ -148,6 +150,7 @@ Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t sum0 = 0; sum0 < pairs_all; sum0 += sum_pairs) {
         std::fill(part.begin(), part.end(), 0.f);
+        // one of oneDNN's K blocks, summed from zero in chunks that stay in L1, then added to the output
         for (int64_t kp0 = sum0; kp0 < std::min(pairs_all, sum0 + sum_pairs); kp0 += kChunkPairs) {
           const int64_t pairs = std::min({kChunkPairs, pairs_all - kp0, sum0 + sum_pairs - kp0});
           for (int64_t r0 = 0; r0 < m; r0 += kGroupRows) {
