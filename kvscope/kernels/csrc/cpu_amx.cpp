@@ -19,12 +19,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -74,26 +72,7 @@ bool amx_bf16() {
 // Whether packed's bytes are dense [N, K] laid out as [N/32][K/32][16][32][2], exactly.
 bool amx_blocks_match(const Tensor& packed, const Tensor& dense) {
   const auto [n, k] = checked_shape(packed);
-  TORCH_CHECK(dense.dim() == 2 && dense.size(0) == n && dense.size(1) == k && dense.scalar_type() == at::kBFloat16,
-              "amx_blocks_match: the dense weight must be bf16 [", n, ", ", k, "]");
-  const Tensor w = dense.contiguous();
-  const uint16_t* blocks = onednn_data(packed);
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  std::atomic<bool> same{true};
-  at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end && same.load(std::memory_order_relaxed); ++nb)
-      for (int64_t kb = 0; kb < k / kDepth; ++kb) {
-        const uint16_t* blk = blocks + (nb * (k / kDepth) + kb) * kBlockElems;
-        for (int64_t p = 0; p < kDepth / 2; ++p)
-          for (int64_t c = 0; c < kCols; ++c)
-            for (int64_t e = 0; e < 2; ++e)
-              if (blk[(p * kCols + c) * 2 + e] != src[(nb * kCols + c) * k + kb * kDepth + 2 * p + e]) {
-                same = false;
-                return;
-              }
-      }
-  });
-  return same;
+  return kvscope_onednn::pair_blocks_match("amx_blocks_match", packed, dense, n, k, kCols, kDepth);
 }
 
 #if defined(KVSCOPE_AMX)
@@ -154,23 +133,14 @@ inline void chunk_block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t
 Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias) {
   const auto [n, k] = checked_shape(packed);
   TORCH_CHECK(amx_bf16(), "amx_linear: AMX tiles are not available here (kvscope::amx_bf16() is false)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == k, "amx_linear: x must be bf16 [..., ", k, "]");
-  const int64_t m = x.numel() / k;
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = n;
-  Tensor out = at::empty(out_sizes, x.options());
-  if (m == 0) return out;
-  const Tensor xc = x.reshape({m, k}).contiguous();
-  std::optional<Tensor> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "amx_linear: bias must have ", n, " values");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const auto call = kvscope_onednn::linear_call("amx_linear", x, n, k, bias);
+  const int64_t m = call.m;
+  if (m == 0) return call.out;
 #if defined(KVSCOPE_AMX)
   const uint16_t* w = onednn_data(packed);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(call.x.data_ptr());
+  c10::BFloat16* o = call.out.data_ptr<c10::BFloat16>();
+  const float* bp = call.bias.has_value() ? call.bias->data_ptr<float>() : nullptr;
   const int64_t kbs = k / kDepth;
   at::parallel_for(0, n / kCols, 1, [&](int64_t begin, int64_t end) {
     int64_t configured = 0;  // the chunk size the tiles are configured for
@@ -203,7 +173,7 @@ Tensor amx_linear(const Tensor& x, const Tensor& packed, const std::optional<Ten
     _tile_release();
   });
 #endif
-  return out;
+  return call.out;
 }
 
 }  // namespace

@@ -22,12 +22,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -72,25 +70,7 @@ bool dpbf16_built() {
 // Whether packed's bytes are dense [N, K] laid out as [N/64][K/2][64][2], exactly.
 bool dpbf16_blocks_match(const Tensor& packed, const Tensor& dense) {
   const auto [n, k] = checked_shape(packed);
-  TORCH_CHECK(dense.dim() == 2 && dense.size(0) == n && dense.size(1) == k && dense.scalar_type() == at::kBFloat16,
-              "dpbf16_blocks_match: the dense weight must be bf16 [", n, ", ", k, "]");
-  const Tensor w = dense.contiguous();
-  const uint16_t* blocks = onednn_data(packed);
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  std::atomic<bool> same{true};
-  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end && same.load(std::memory_order_relaxed); ++p)
-      for (int64_t kp = 0; kp < k / 2; ++kp) {
-        const uint16_t* pair = blocks + (p * (k / 2) + kp) * kPairElems;
-        for (int64_t c = 0; c < kPanel; ++c)
-          for (int64_t e = 0; e < 2; ++e)
-            if (pair[2 * c + e] != src[(p * kPanel + c) * k + 2 * kp + e]) {
-              same = false;
-              return;
-            }
-      }
-  });
-  return same;
+  return kvscope_onednn::pair_blocks_match("dpbf16_blocks_match", packed, dense, n, k, kPanel, 2);
 }
 
 #if defined(KVSCOPE_DPBF16)
@@ -124,24 +104,15 @@ constexpr RowsFn kRowsFns[kGroupRows + 1] = {nullptr, rows_by_chunk<1>, rows_by_
 Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t block_k) {
   const auto [n, k] = checked_shape(packed);
   TORCH_CHECK(dpbf16_built(), "dpbf16_linear: this build has no AVX-512 BF16 (kvscope::dpbf16_built() is false)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == k, "dpbf16_linear: x must be bf16 [..., ", k, "]");
+  const auto call = kvscope_onednn::linear_call("dpbf16_linear", x, n, k, bias);
   TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "dpbf16_linear: block_k must be a positive even number");
-  const int64_t m = x.numel() / k;
-  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
-  out_sizes.back() = n;
-  Tensor out = at::empty(out_sizes, x.options());
-  if (m == 0) return out;
-  const Tensor xc = x.reshape({m, k}).contiguous();
-  std::optional<Tensor> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "dpbf16_linear: bias must have ", n, " values");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const int64_t m = call.m;
+  if (m == 0) return call.out;
 #if defined(KVSCOPE_DPBF16)
   const uint16_t* w = onednn_data(packed);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(call.x.data_ptr());
+  c10::BFloat16* o = call.out.data_ptr<c10::BFloat16>();
+  const float* bp = call.bias.has_value() ? call.bias->data_ptr<float>() : nullptr;
   const int64_t pairs_all = k / 2, sum_pairs = block_k / 2;
   at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(m * kPanel)), part(acc.size());
@@ -168,7 +139,7 @@ Tensor dpbf16_linear(const Tensor& x, const Tensor& packed, const std::optional<
     }
   });
 #endif
-  return out;
+  return call.out;
 }
 
 }  // namespace
