@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _cpu import needs_bf16_packing, without_bf16_packing
 from kvscope.engine import cpu_linear, cpu_malloc
 from kvscope.engine.cpu_linear import PackedLinear, pack_linears
 from kvscope.engine.models import build_builtin
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_linear.packing_unavailable(torch.float32) is
                                 reason="this torch has no oneDNN packed linear")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packing)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_layer_computes_what_f_linear_computes(dtype, bias):
     gen = torch.Generator().manual_seed(3)
@@ -37,6 +38,7 @@ def test_a_packed_layer_computes_what_f_linear_computes(dtype, bias):
     assert torch.equal(packed.weight, lin.weight), "the weight reads back unpacked"
 
 
+@needs_bf16_packing
 def test_the_engine_packs_every_linear_layer_and_a_copy_is_plain_transformers():
     model = build_builtin("tiny", dtype=torch.bfloat16)
     ids = torch.tensor([[5, 17, 99, 3, 42]])
@@ -58,6 +60,23 @@ def test_the_engine_packs_every_linear_layer_and_a_copy_is_plain_transformers():
     assert sum(type(m) is torch.nn.Linear for m in plain.modules()) == linears
     with torch.inference_mode():
         assert torch.equal(plain(input_ids=ids).logits, before)
+
+
+def test_where_onednn_cannot_pack_bf16_the_layers_stay_f_linear_and_say_why(monkeypatch):
+    """An AVX2-only CPU: oneDNN refuses bf16 weights, so a bf16 model keeps transformers' own layers, with the same
+    logits, and float32 is still packed."""
+    why = without_bf16_packing(monkeypatch)
+    model = build_builtin("tiny", dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    done = pack_linears(model)
+    assert done.layers == 0 and done.extra_bytes == 0
+    assert done.note == f"linear layers: torch's F.linear (oneDNN's packed linear failed here ({why}))"
+    assert not any(isinstance(m, (PackedLinear, cpu_linear.PackedSlice)) for m in model.modules())
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert pack_linears(build_builtin("tiny", dtype=torch.float32)).layers > 0
 
 
 def test_a_probe_that_disagrees_leaves_f_linear_in_place(monkeypatch):
@@ -85,6 +104,7 @@ def test_kept_memory_is_set_once_and_leaves_a_users_own_tunables_alone(monkeypat
         assert note.startswith("malloc: left as it is")
 
 
+@needs_bf16_packing
 def test_a_packed_model_still_counts_its_weights():
     """A second engine on a cached, already packed model reports the same weight memory as the first."""
     from kvscope.engine.gguf import weight_bytes

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _cpu import PYTHON_LAYERS_UNPACKED, expected_forward, needs_bf16_packing, without_bf16_packing
 from conftest import save_checkpoint, token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.decoder import FORCE_ENV, PagedDecoder
@@ -82,14 +83,27 @@ def test_logits_are_transformers_bits_at_every_step(checkpoints, name, dtype):
     llm = LLM(checkpoints[name], device="cpu", dtype=dtype, mode="chunked", num_blocks=12,
               max_num_batched_tokens=24, prefix_caching=True)
     runner = llm.engine.runner
-    assert runner.decoder is not None and runner.forward_name == "kvscope decoder"
+    assert runner.decoder is not None and runner.forward_name == expected_forward(dtype)
     rows = _compare_every_step(llm)
     llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(rows) > 10 and max(rows) > 1, "several steps, some with several sampled rows"
-    if _native_available():  # decode-only steps ran their layers in one C++ call, with the same bits
-        assert runner.decoder.native.steps >= 5
+    if _native_available() and runner.forward_name == "kvscope decoder":  # decode-only steps ran their layers in
+        assert runner.decoder.native.steps >= 5  # one C++ call, with the same bits
 
 
+def test_bf16_layers_over_f_linear_are_transformers_bits_where_onednn_cannot_pack(checkpoints, monkeypatch):
+    """The path an AVX2-only CPU takes in bf16, on any CPU: no packed weights, the layers in Python."""
+    without_bf16_packing(monkeypatch)
+    prompts = token_prompts([5, 23, 41], 300, seed=3)
+    llm = LLM(checkpoints["qwen2-bias"], device="cpu", dtype="bfloat16", mode="chunked", num_blocks=12,
+              max_num_batched_tokens=24, prefix_caching=True)
+    assert llm.engine.runner.forward_name == PYTHON_LAYERS_UNPACKED
+    rows = _compare_every_step(llm)
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(rows) > 5 and max(rows) > 1
+
+
+@needs_bf16_packing
 def test_decode_steps_run_their_layers_in_one_cpp_call(checkpoints, monkeypatch):
     if not _native_available():
         pytest.skip("the CPU kernels did not build on this machine")
@@ -115,6 +129,7 @@ def test_reference_attention_keeps_the_python_layers(checkpoints, monkeypatch):
     assert llm.engine.runner.forward_name == "kvscope decoder, layers in Python (the CPU kernels are not loaded)"
 
 
+@needs_bf16_packing
 def test_the_fused_projections_are_used(checkpoints):
     llm = LLM(checkpoints["qwen2-bias"], device="cpu", dtype="bfloat16")
     decoder = llm.engine.runner.decoder

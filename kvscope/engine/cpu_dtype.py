@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvscope import cpu_isa
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flag names, best first
 CPUINFO = "/proc/cpuinfo"
 
@@ -21,15 +23,9 @@ class DtypeChoice:
 
 
 def cpu_flags(path: str = CPUINFO) -> frozenset[str] | None:
-    """The first processor's feature flags, or None where the file is missing (not Linux x86)."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return frozenset()
+    """The first processor's feature flags under the ISA cap in force (kvscope.cpu_isa), or None where the file
+    is missing (not Linux x86)."""
+    return cpu_isa.cpu_flags(path)
 
 
 def _torch_bf16_flags() -> list[str]:
@@ -41,7 +37,7 @@ def _torch_bf16_flags() -> list[str]:
         found.append("amx_bf16")
     if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         found.append("avx512_bf16")
-    return found
+    return sorted(cpu_isa.cap_flags(frozenset(found)))
 
 
 def auto_cpu_dtype(flags: frozenset[str] | None = None) -> DtypeChoice:
@@ -49,7 +45,8 @@ def auto_cpu_dtype(flags: frozenset[str] | None = None) -> DtypeChoice:
     if flags is None:
         flags = cpu_flags()
     have = [f for f in BF16_FLAGS if f in flags] if flags is not None else _torch_bf16_flags()
+    capped = f" under {cpu_isa.describe()}" if cpu_isa.describe() else ""
     if have:
-        return DtypeChoice("bfloat16", f"auto: this CPU has {' and '.join(have)}, bf16 matmuls in hardware")
-    return DtypeChoice("float32", "auto: this CPU has neither amx_bf16 nor avx512_bf16, so bf16 matmuls "
+        return DtypeChoice("bfloat16", f"auto: this CPU has {' and '.join(have)}{capped}, bf16 matmuls in hardware")
+    return DtypeChoice("float32", f"auto: this CPU has neither amx_bf16 nor avx512_bf16{capped}, so bf16 matmuls "
                                   "would be emulated and slower than float32")

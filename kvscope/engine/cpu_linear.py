@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvscope import cpu_isa
+
 NOTE_ATTR = "kvscope_pack_note"  # on a packed model: what packing it did, for the start-up line
 PACK_ROWS_HINT = 64  # the batch size oneDNN is told to expect: measured indifferent between 1 and 512
 # Up to this many rows the AMX loop runs (and its products equal oneDNN's bit for bit); above, oneDNN's
@@ -204,7 +206,7 @@ def packing_unavailable(dtype: torch.dtype) -> str | None:
         x = torch.randn(3, 5, 96, generator=gen).to(dtype)
         got, want = PackedLinear(lin)(x).float(), F.linear(x, lin.weight, lin.bias).float()
     except (RuntimeError, AttributeError, NotImplementedError) as e:
-        return f"oneDNN's packed linear failed here ({str(e).splitlines()[0][:80]})"
+        return f"oneDNN's packed linear failed here ({str(e).splitlines()[0][:160]})"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     if not torch.allclose(got, want, rtol=tol, atol=tol):
         return "oneDNN's packed linear disagreed with F.linear here"
@@ -254,6 +256,8 @@ def amx_unavailable() -> str | None:
     """None if kvscope::amx_linear can run here (the CPU kernels loaded, AMX tiles granted); else why not."""
     if os.environ.get(AMX_ENV, "").strip() == "0":
         return f"{AMX_ENV}=0"
+    if cpu_isa.below("AVX512_CORE_AMX"):
+        return f"capped by {cpu_isa.describe()}"
     if not hasattr(torch.ops.kvscope, "amx_bf16"):
         return "the CPU kernels are not loaded"
     if not torch.ops.kvscope.amx_bf16():
@@ -292,6 +296,8 @@ def dpbf16_unavailable() -> str | None:
     """None if kvscope::dpbf16_linear can run here (the CPU kernels loaded, built with AVX-512 BF16); else why not."""
     if os.environ.get(DPBF16_ENV, "").strip() == "0":
         return f"{DPBF16_ENV}=0"
+    if cpu_isa.below("AVX512_CORE_BF16"):
+        return f"capped by {cpu_isa.describe()}"
     if not hasattr(torch.ops.kvscope, "dpbf16_built"):
         return "the CPU kernels are not loaded"
     if not torch.ops.kvscope.dpbf16_built():

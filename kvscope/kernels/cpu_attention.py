@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope import cpu_isa
 from kvscope.kernels import reference
 from kvscope.kernels.metadata import AttentionMetadata
 
@@ -37,11 +38,20 @@ CHOICE_ENV = "KVSCOPE_CPU_ATTENTION"  # "reference" forces the torch reference
 CACHE_ENV = "KVSCOPE_CACHE_DIR"
 # Tried in order: this CPU's vector units at their full width (GCC otherwise keeps AVX-512 code to
 # 256 bits); the same where the compiler rejects the width flag (not x86); generic code last.
-FLAG_SETS = (
+# Under an ISA cap (kvscope.cpu_isa: ONEDNN_MAX_CPU_ISA or KVSCOPE_MAX_CPU_ISA) the native flag sets leave out
+# the instruction sets above it, so the build is a smaller CPU's; the flags are part of the build's key.
+BASE_FLAG_SETS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
     ["-O3", "-march=native", "-fopenmp"],
     ["-O3", "-fopenmp"],
 )
+
+
+def flag_sets() -> tuple[list[str], ...]:
+    """The compiler flag sets to try, best first, with the ISA cap in force applied to the native ones."""
+    off = cpu_isa.gcc_flags()
+    return tuple(flags + off if "-march=native" in flags else flags for flags in BASE_FLAG_SETS)
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -126,7 +136,7 @@ def load(build: bool = True) -> str | None:
         return _loaded
     if _failed is not None:
         return None
-    for flags in FLAG_SETS:  # a cached build of either flag set
+    for flags in flag_sets():  # a cached build of either flag set
         folder = build_dir(flags)
         if os.path.exists(_done_marker(folder)) and os.path.exists(_library_path(folder)):
             torch.ops.load_library(_library_path(folder))
@@ -134,10 +144,11 @@ def load(build: bool = True) -> str | None:
             return _loaded
     if not build:
         return None
-    _note("compiling the CPU attention kernel once for this machine (about a minute; cached afterwards)")
+    capped = f", capped by {cpu_isa.describe()}" if cpu_isa.describe() else ""
+    _note(f"compiling the CPU kernels once for this machine{capped} (about a minute; cached afterwards)")
     errors = []
     t0 = time.perf_counter()
-    for flags in FLAG_SETS:
+    for flags in flag_sets():
         folder = build_dir(flags)
         try:
             path = _compile(folder, flags)
