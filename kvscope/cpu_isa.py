@@ -20,6 +20,7 @@ This module imports nothing heavy: `kvscope/__init__.py` applies the switch befo
 from __future__ import annotations
 
 import os
+import sys
 
 ENV = "KVSCOPE_MAX_CPU_ISA"
 ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
@@ -149,11 +150,14 @@ def describe() -> str:
 
 def apply(environ: os._Environ | dict | None = None) -> None:
     """Pass the cap on to oneDNN (KVSCOPE_MAX_CPU_ISA) and, below AVX-512, to ATen's kernels, where their own
-    variables are unset. Both read them the first time they run a kernel, so this runs on kvscope's import."""
+    variables are unset. Both read them the first time they run a kernel, so this runs on kvscope's import.
+    A name oneDNN does not know is said in one line on stderr and caps nothing."""
     env = os.environ if environ is None else environ
     try:
         cap = cap_name(env)
-    except IsaCapError:
+    except IsaCapError as e:
+        if environ is None:
+            print(f"kvscope: {e}; no cap applied", file=sys.stderr, flush=True)
         return
     if cap is None:
         return

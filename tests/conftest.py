@@ -15,6 +15,8 @@ from collections import Counter
 
 import pytest
 
+import kvscope  # noqa: F401 - before any torch op: an ISA cap (docs/CPU.md) reaches ATen and oneDNN
+
 # A suite started as a background job of a script (`sh -c 'make test &'`) inherits SIGINT ignored,
 # and an ignored signal stays ignored across exec: the servers the tests stop with Ctrl-C, as a
 # user does, would then never stop. A handler, unlike SIG_IGN, resets to the default on exec.
