@@ -106,9 +106,10 @@ def _record_session(path, *, legacy: bool, ticks_per_chunk: int | None = None, m
     return box["rec"], m, pub
 
 
-@pytest.fixture(params=[False, True], ids=["map", "array"])
-def recorded(request, tmp_path):
-    path = tmp_path / "vllm.kvtrace"
+@pytest.fixture(scope="module", params=[False, True], ids=["map", "array"])
+def recorded(request, tmp_path_factory):
+    """One recording per wire encoding, shared by the tests that read it (none writes to it)."""
+    path = tmp_path_factory.mktemp("recorded") / "vllm.kvtrace"
     rec, m, pub = _record_session(path, legacy=request.param)
     yield path, rec
     m.close()
