@@ -187,3 +187,19 @@ def test_an_upgrade_replaces_the_same_files_entry_and_keeps_the_others(cache, so
     new_f32 = model_cache.entry_for(source, torch.float32)
     assert sorted(os.listdir(model_cache.converted_dir())) == sorted([new_f32.key, old_bf16.key])
     assert old_f32.key not in os.listdir(model_cache.converted_dir())
+
+
+def test_converting_and_reading_back_draw_none_of_transformers_bars(cache, source, capfd):
+    """kvscope says what it does in its own lines; transformers' "Writing model shards" and "Loading weights"
+    bars would glue themselves to them. Its bars are on again afterwards, for the user's own transformers code."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    logs: list[str] = []
+    fresh_load(source, Converter(), logs)
+    fresh_load(source, Converter(), logs)
+    captured = capfd.readouterr()
+    for bar in ("Writing model shards", "Loading weights", "it/s]"):
+        assert bar not in captured.err and bar not in captured.out
+    assert logs == ["converting model.gguf once into the model cache (later starts read it directly)"]
+    assert hf_logging.is_progress_bar_enabled()

@@ -377,10 +377,11 @@ def _cli_server(args: list[str], env: dict | None = None):
         time.sleep(0.2)
 
 
-def _stop(proc) -> None:
+def _stop(proc) -> str:
     proc.terminate()
     _, err = proc.communicate(timeout=DEADLINE_S)  # a loaded machine once outlasted 60 s
     assert proc.returncode == 0 and "Traceback" not in err, err
+    return err
 
 
 def test_the_readme_curl_works_against_the_default_model():
@@ -394,7 +395,9 @@ def test_the_readme_curl_works_against_the_default_model():
         assert 'model_name="tiny"' in httpx.get(url + "/metrics").text
         assert 'model_name="None"' not in httpx.get(url + "/metrics").text
     finally:
-        _stop(proc)
+        err = _stop(proc)
+    assert ("kvscope: 'tiny' has random weights, so its replies are noise; for words: kvscope fetch smollm2-135m, "
+            "then serve --model smollm2-135m") in err.splitlines(), "the README's first curl answers noise: say why"
 
 
 def test_cli_several_names_and_an_api_key_from_the_environment():

@@ -4,11 +4,14 @@ depend on which App was running (space, d, Enter, the health counters) work on e
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 from textual.binding import Binding
 
 from tests.fakes.streams import ChunkedSource, drained_sim_stream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------------ bindings
@@ -234,3 +237,30 @@ async def test_vllm_replay_steps_one_tick_and_d_diagnoses_it():
         assert d is not None and d.vllm is not None
         body = str(app.screen.query_one("#diagnosis-body").render())
         assert d.bottleneck in body
+
+
+@pytest.mark.anyio
+async def test_the_palette_s_screenshot_is_saved_where_the_app_started(tmp_path, monkeypatch):
+    """Ctrl+P, "Screenshot", Enter, as a user does: an SVG of the screen lands in the working folder (Textual's
+    default, the desktop's Downloads folder, is missing on a server) and a toast says where."""
+    from kvscope.tui.launch import make_replay_app
+
+    monkeypatch.chdir(tmp_path)
+    app = make_replay_app(os.path.join(ROOT, "traces", "demo-cpu.kvtrace"), playing=False)
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:
+        await pilot.pause()
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        for ch in "Screenshot":
+            await pilot.press(ch)
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if list(tmp_path.glob("*.svg")):
+                break
+        (shot,) = tmp_path.glob("*.svg")
+        await pilot.pause(0.2)
+        messages = [n.message for n in app._notifications]
+    assert shot.read_text(encoding="utf-8").lstrip().startswith("<svg") and "kvscope" in shot.read_text()
+    assert any("Saved screenshot to" in m and str(shot) in m for m in messages), messages

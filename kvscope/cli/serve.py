@@ -11,6 +11,7 @@ from kvscope.cli.common import (NoProgress, UsageError, add_slo_args, check_addr
                                 slo_from_args, workload_args,
                                 write_json)
 from kvscope.cli.stop_signals import StopSignals
+from kvscope.engine.shapes import BUILTIN_SHAPES
 
 
 OFF = "none"  # --events none / --control none: no socket
@@ -218,6 +219,10 @@ def _serve(args, config, publisher, control, front) -> int:
                     shown = f"[{host}]" if ":" in host else host
                     print(f"kvscope: listening on http://{shown}:{port} (OpenAI API; /metrics, /health)",
                           file=sys.stderr, flush=True)
+                    if engine.config.backend == "model" and engine.config.model in BUILTIN_SHAPES:  # a first curl, explained
+                        print(f"kvscope: {engine.config.model!r} has random weights, so its replies are noise; "
+                              "for words: kvscope fetch smollm2-135m, then serve --model smollm2-135m",
+                              file=sys.stderr, flush=True)
             progress = progress_bar(not args.no_progress, total=_total_requests(options),
                                     desc=f"{engine.config.mode}", unbounded="{desc}: finished requests {n_fmt}")
             summary = server.run(items=() if http_only else None)

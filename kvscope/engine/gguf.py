@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvscope.engine.errors import KvscopeError
+from kvscope.engine.hf_quiet import transformers_bars_off
 
 if TYPE_CHECKING:  # the header reader runs without torch (the sim catalog reads a GGUF's shape)
     import torch
@@ -316,8 +317,9 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
     bar = hf_gguf.tqdm
     hf_gguf.tqdm = functools.partial(bar, disable=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True,
-                                                     **_dequantize_kwargs())
+        with transformers_bars_off():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, local_files_only=True,
+                                                         **_dequantize_kwargs())
     except Exception as e:  # a corrupt tensor or an unknown layout surface as several exception types
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise KvscopeError(f"cannot load GGUF {path!r}: {first_line}") from None

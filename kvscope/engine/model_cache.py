@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from kvscope.engine.errors import KvscopeError
+from kvscope.engine.hf_quiet import transformers_bars_off
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +169,8 @@ def load_entry(entry: Entry, dtype: torch.dtype, device: str):
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(entry.path, dtype=dtype, local_files_only=True)
+            with transformers_bars_off():
+                model = AutoModelForCausalLM.from_pretrained(entry.path, dtype=dtype, local_files_only=True)
             tokenizer = (AutoTokenizer.from_pretrained(entry.path, local_files_only=True)
                          if manifest.get("tokenizer") else None)
     except Exception as e:  # noqa: BLE001 - a damaged file surfaces as several exception types
@@ -184,7 +186,8 @@ def write_entry(entry: Entry, model, tokenizer) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{entry.key}.", suffix=".part", dir=parent)
     try:
-        model.save_pretrained(tmp)
+        with transformers_bars_off():
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": file_sha256(os.path.join(tmp, name))}

@@ -158,7 +158,7 @@ def load(build: bool = True) -> str | None:
         with open(_done_marker(folder), "w") as f:
             f.write(" ".join(flags) + "\n")
         _loaded = path
-        _note(f"CPU attention kernel built in {time.perf_counter() - t0:.0f} s ({folder})")
+        _note(f"CPU kernels built in {time.perf_counter() - t0:.0f} s ({folder})")
         return _loaded
     _failed = errors[-1] if errors else "unknown error"
     _note(f"the CPU attention kernel did not build ({_failed}); using the torch reference attention")

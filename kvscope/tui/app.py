@@ -12,6 +12,7 @@ player in ``__init__`` and reach this App typed (``FeedView.kvscope``), never by
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Any, Iterable, Literal, Sequence
 
@@ -79,6 +80,15 @@ class KvscopeApp(App):
         if self._startup_log:
             with open(self._startup_log, "a", encoding="utf-8") as f:
                 f.write(f"{what} {time.time():.6f}\n")
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The palette's "Screenshot", saved where the app was started (Textual's default is the desktop's
+        Downloads folder, which a server or container rarely has), or in the temporary folder where that cannot
+        be written. In a browser (`kvscope web`) it is downloaded, as Textual does."""
+        if path is None:
+            path = os.getcwd() if os.access(os.getcwd(), os.W_OK) else tempfile.gettempdir()
+        return super().deliver_screenshot(filename, path, time_format)
 
     # -- what tests and benches read ----------------------------------------------------
     @property
