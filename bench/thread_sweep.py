@@ -170,9 +170,9 @@ ROWS = {
     "bench": lambda n: dict(zip(("kvscope", "hf-generate-batch"), bench(n))),
     "demo": lambda n: {"kvscope": demo(n)},
     "demo-real": lambda n: {"kvscope": demo(n, "qwen3-0.6b-shape", warmup=20.0, window=40.0)},
-    # issue 29's contention table: the tiny model, 48 requests of the mixed workload, chunked and generate_batch
+    # the contention table of docs/BENCHMARKS.md: the tiny model, 48 requests of the mixed workload, chunked and generate_batch
     "bench-mixed": lambda n: dict(zip(("chunked", "hf-generate-batch"), bench(n, "mixed", "48"))),
-    # the same, kvscope's row alone (issue 42's wait-policy A/B: a third of the requests, more rounds in the same time)
+    # the same, kvscope's row alone (the wait-policy A/B: a third of the requests, more rounds in the same time)
     "chunked-mixed": lambda n: dict(zip(("chunked",), bench(n, "mixed", "16", peers=False))),
     # one chat stream on the real model (SmolLM2-135M, fetched): per-step host work and small GEMMs
     "single-stream-real": lambda n: {"single-stream": single_stream_real(n)},
@@ -257,7 +257,7 @@ def main() -> int:
 
 def contention_table(runs: dict, threads: list, loads: list[str]) -> str:
     """Per row and load: median tok/s per thread setting, and each setting against the best fixed count
-    under the same load (issue 29's bar: no row below 90% of the better of 1 or all threads)."""
+    under the same load (the bar: no row below 90% of the better of 1 or all threads)."""
     fixed = [n for n in threads if not str(n).startswith("auto")]
     lines = ["output tok/s, median of rounds; (x) = against the best fixed thread count under the same load",
              f"{'row':<28} " + " ".join(f"{'t=' + str(n):>16}" for n in threads)]

@@ -1,5 +1,5 @@
 """The bf16 check shared by the random-weight and the real-model tests: greedy tokens equal transformers'
-in bf16 except at near-ties (issue 29).
+in bf16 except at near-ties.
 
 Exact equality cannot hold in bf16: the engine packs a step's sequences into one matmul and chunks
 prompts, transformers runs one prompt at a time, and bf16 keeps 8 bits of mantissa, so the two sum in

@@ -173,7 +173,7 @@ def recorder() -> Recorder:
     return Recorder()
 
 
-# Tiny windowed checkpoints (issue 17), each written by save_pretrained and read back by
+# Tiny windowed checkpoints, each written by save_pretrained and read back by
 # transformers for the reference: windows that are not multiples of the block size, a
 # Mistral (every layer slides), a hybrid Qwen3 (layer types full, sliding) and a Qwen2
 # whose every layer slides through use_sliding_window + max_window_layers 0.

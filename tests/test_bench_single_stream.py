@@ -1,4 +1,4 @@
-"""`kvscope bench --modes single-stream`: the workload served one request at a time (issue 42's row beside
+"""`kvscope bench --modes single-stream`: the workload served one request at a time (the row beside
 llama.cpp's one-at-a-time peer), on the sim backend (fast) and the model backend (the tiny model)."""
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_the_tuner_moves_to_one_thread_when_all_cores_collapse():
 
     applied = []
     tuner = ThreadTuner([1, 2], applied.append, probe_pairs=4, first_gap=8)
-    used = _drive(tuner, {2: 6.5, 1: 1.0}, 200)  # a competitor: two threads 6.5x slower (issue 29's figure)
+    used = _drive(tuner, {2: 6.5, 1: 1.0}, 200)  # a competitor: two threads 6.5x slower (as measured beside a busy loop)
     assert tuner.best == 1 and applied[0] == 2
     assert used[-100:].count(2) <= 4  # and it stays there while it wins: one short probe at most
     # what the probes cost: well under 10% of the steps ran on the slow count
@@ -352,7 +352,7 @@ def test_beside_a_competitor_it_stops_asking_every_core_until_the_load_changes()
     assert tuner.best == 2 and tuner.history[-1][0] <= 400 + LOAD_EVERY + 8, "read, probed (four pairs), switched"
 
 
-# ---- an explicit --cpu-threads N: a ceiling, left only beside a competitor (issue 42) ------------------
+# ---- an explicit --cpu-threads N: a ceiling, left only beside a competitor ------------------
 def test_an_explicit_count_is_held_on_a_quiet_machine_even_where_fewer_would_win():
     from kvscope.engine.cpu_threads import ThreadTuner
 

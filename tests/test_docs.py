@@ -1,4 +1,4 @@
-"""Every command and snippet in README.md and docs/*.md runs as written (issue 31).
+"""Every command and snippet in README.md and docs/*.md runs as written.
 
 Each ```sh / ```bash / ```python block is one test, named by its doc and line, and runs in
 a fresh temporary directory (machinery and rules: tests/_docs.py). A block that cannot

@@ -1,4 +1,4 @@
-"""bfloat16: greedy tokens equal transformers' in bf16, except at near-ties (issue 29; the rule is in _bf16.py).
+"""bfloat16: greedy tokens equal transformers' in bf16, except at near-ties (the rule is in _bf16.py).
 
 The float32 tests (test_engine_equality.py and the rest) stay token-exact and ask for float32.
 """

@@ -1,4 +1,4 @@
-"""A real trained model end to end: SmolLM2-135M-Instruct from its GGUF file (issue 24).
+"""A real trained model end to end: SmolLM2-135M-Instruct from its GGUF file.
 
 Greedy tokens equal transformers' on the same GGUF in every mode, under preemption, with
 prefix caching and swap, and on the Triton kernels through the interpreter; the

@@ -1,4 +1,4 @@
-"""Sliding-window attention (issue 17): greedy tokens equal transformers' generate for windowed
+"""Sliding-window attention: greedy tokens equal transformers' generate for windowed
 checkpoints, blocks outside the window are freed when every layer slides, and attention features
 kvscope does not implement are refused in one line.
 

@@ -1,4 +1,4 @@
-"""The first minutes of a newcomer (issue 37): `--version`, every command's description, a wrong model name
+"""The first minutes of a newcomer: `--version`, every command's description, a wrong model name
 suggests the right one, `serve` fails on a busy HTTP port before loading anything, publishes where the
 dashboard looks (or on a free port, said in a line), an idle engine's heartbeat keeps the dashboard live
 whichever starts first, and a demo whose engine dies ends without a Textual traceback."""

@@ -292,7 +292,7 @@ def test_hostile_headers_are_refused_in_one_line(tmp_path):
 
     from kvscope.engine.gguf import read_header
     from kvscope.engine.gguf_blocks import read_weights
-    from test_hostile_round3 import _llama_gguf
+    from test_hostile_inputs import _llama_gguf
 
     config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     float_linears = _llama_gguf(tmp_path / "f32.gguf", 1, 1)  # a servable file whose linear layers are F32

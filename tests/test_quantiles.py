@@ -146,7 +146,7 @@ def _parse(text: str) -> float:
 
 
 def test_dashboard_figures_after_replay_to_the_end_and_seeking_back():
-    """Held-out check of issue 18: the shown p50/p90/p99 are the trace's own within 1%."""
+    """The shown p50/p90/p99 are the trace's own within 1%."""
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.sources import ReplayController, open_trace
     from kvscope.tui.widgets import LatencyPanel

@@ -161,7 +161,7 @@ def test_a_hostile_json_input_still_makes_a_page(name, tmp_path, capsys):
 @pytest.mark.parametrize("field", ["secondary", "evidence", "knobs"])
 @pytest.mark.parametrize("value", ["x", {"a": 1}, 5])
 def test_a_list_field_of_another_type_is_one_line(field, value, tmp_path, capsys):
-    """(issue 41: a list field holding an int was a TypeError traceback; any non-list is now one line)"""
+    """A list field holding an int, or any non-list, is one line."""
     import json
 
     (tmp_path / "in.json").write_text(json.dumps({"bottleneck": "kv", field: value}))

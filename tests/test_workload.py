@@ -290,7 +290,7 @@ def test_required_presets_exist_with_their_shapes():
     lp = PRESETS["long"].prompt_len.bounds()
     assert lp == (2048, 8192)
     assert PRESETS["demo"].arrival.kind == "burst" and PRESETS["demo"].arrival.background_rate > 0
-    real = PRESETS["realsize"]  # the README's real-size row (issue 20's setup)
+    real = PRESETS["realsize"]  # the real-size row of docs/BENCHMARKS.md
     assert real.num_requests == 24 and real.arrival.kind == "all"
     assert real.prompt_len.bounds() == (32, 256) and real.output_len.bounds() == (16, 64)
 

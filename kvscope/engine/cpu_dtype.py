@@ -1,8 +1,8 @@
 """What `--dtype auto` means on a CPU: bfloat16 where the CPU multiplies bf16 in hardware, float32 elsewhere.
 
 AMX (amx_bf16) and AVX-512 BF16 (avx512_bf16) run bf16 matmuls natively; oneDNN, under torch's CPU
-GEMMs, then gives several times float32's FLOP/s (issue 29 measured 2.7 TFLOP/s against 0.38 on a
-2-core Sapphire Rapids). Without them bf16 is converted to float32 around every GEMM and is slower
+GEMMs, then gives several times float32's FLOP/s (2.7 TFLOP/s against 0.38,
+measured on a 2-core Sapphire Rapids). Without them bf16 is converted to float32 around every GEMM and is slower
 than float32 itself, so auto keeps float32 there. vLLM's CPU backend makes the same choice.
 """
 

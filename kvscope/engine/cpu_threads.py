@@ -1,7 +1,7 @@
 """The CPU thread count, chosen online from measured step times, so a shared machine does not collapse.
 
 With every core busy in torch's threads, one competing CPU-bound process stalls each parallel
-region on the thread it preempts: issue 29 measured the tiny model's chunked bench at 2,005 tok/s
+region on the thread it preempts: the tiny model's chunked bench measured 2,005 tok/s
 alone and 309 beside a busy loop with 2 threads, against 1,360 with one thread. Which count is
 better depends on the load, which changes while the engine runs, so when --cpu-threads is left
 out the runner keeps measuring:
@@ -32,8 +32,8 @@ changes; on a quiet machine two lucky pairs decide nothing (a clear win needs th
 An explicit --cpu-threads N (N > 1) is a ceiling, not a promise to collapse: the same tuner runs
 between N and one thread, but only while the kernel's accounting shows a competitor (half a core or
 more); on a quiet machine, or where there is no reading, the engine runs on exactly N, and when
-the competitor leaves it goes back to N at once. Issue 42 measured a fixed 2 threads beside one
-busy loop at 637-733 tok/s against 1,092-2,024 on one thread; the passive wait alone recovered part
+the competitor leaves it goes back to N at once. A fixed 2 threads beside one
+busy loop measured 637-733 tok/s against 1,092-2,024 on one thread; the passive wait alone recovered part
 of it. KVSCOPE_FIXED_THREADS=1 keeps the old meaning (exactly N, always), for measurements of N itself.
 
 Idle torch threads also spin only briefly before they sleep (GOMP_SPINCOUNT=20000, set before torch is
@@ -82,13 +82,13 @@ class ThreadTuner:
         self.gap = first_gap
         self._warmup = warmup_steps  # the first steps pay one-off costs (allocations, kernel choice)
         self._since_probe = 0
-        self._probe: list[int] = []  # candidates still to probe in this round
+        self._probe: list[int] = []  # candidates still to probe in this probe cycle
         self._probing: int | None = None
         self._on_candidate = False  # this probe step runs on the candidate (else on the best count)
         # this probe's totals, seconds and priced work, on the best count and on the candidate
         self._best_s = self._best_w = self._cand_s = self._cand_w = 0.0
         self._pairs = 0
-        self._ratios: dict[int, float] = {}  # this round's ratio per candidate: its seconds per work over the best's
+        self._ratios: dict[int, float] = {}  # this probe cycle's ratio per candidate: its seconds per work over the best's
         self.current = self.best
         self.switches = 0
         self.history: list[tuple[int, int]] = []  # (step, threads) at each change of the chosen count
@@ -215,7 +215,7 @@ class ThreadTuner:
 
 
 def thread_candidates(cores: int) -> list[int]:
-    """One thread and every core (the two ends issue 29 measured); one candidate on a 1-core machine."""
+    """One thread and every core (the two ends worth measuring); one candidate on a 1-core machine."""
     return sorted({1, max(1, cores)})
 
 

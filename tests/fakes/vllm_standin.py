@@ -6,7 +6,7 @@ it is only what a vLLM shows: its Prometheus text (kvscope.serve.metrics, vLLM's
 labels and buckets, plus ``vllm:cache_config_info``), scraped every ``interval`` seconds of
 virtual time. ``record()`` writes those scrapes into a `.kvtrace` exactly as `kvscope record
 --vllm` does (same recorder, same events), so `kvscope diagnose` reads it as a recording
-of a vLLM. Four scenarios are the acceptance cases of issue 28.
+of a vLLM. Four scenarios are the cases docs/DIAGNOSE.md names.
 """
 
 from __future__ import annotations

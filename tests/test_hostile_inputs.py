@@ -1,4 +1,4 @@
-"""Hostile input, round 3 (issue 41): request chat templates, a flag that imported code, GGUF headers,
+"""Hostile input: request chat templates, a flag that imported code, GGUF headers,
 `kvscope report` inputs and labels, `n` recomputing the prompt, chat's default max_tokens.
 
 Each case expects a correct result or one clear line (OpenAI's error JSON over HTTP): no traceback,
