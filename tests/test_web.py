@@ -22,7 +22,7 @@ from _helpers import DEADLINE_S, free_port
 from kvscope.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-TRACE = os.path.join(os.path.dirname(__file__), "..", "traces", "demo-cpu.kvtrace")
+TRACE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "traces", "demo-cpu.kvtrace"))
 
 
 def test_web_refuses_a_remote_host_without_the_flag(capsys):
@@ -95,12 +95,17 @@ async def _browse(url: str, debug_port: int, wait_s: float, shot: str) -> bool:
             return started
 
 
+# what a user serves: a replay, the live demo (its engine starts when the page opens the app), the tour
+SERVED = {"replay": ["replay", TRACE], "demo": ["demo"], "tour": ["tour"]}
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)")
-def test_replay_in_a_browser(tmp_path):
+@pytest.mark.parametrize("served", list(SERVED))
+def test_the_app_draws_in_a_browser(tmp_path, served):
     port, debug = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    web = subprocess.Popen([sys.executable, "-m", "kvscope", "web", "--port", str(port), "replay", TRACE],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    web = subprocess.Popen([sys.executable, "-m", "kvscope", "web", "--port", str(port), *SERVED[served]],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
     browser = None
     try:
         _wait_http(port, DEADLINE_S)
