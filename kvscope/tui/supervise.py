@@ -9,18 +9,7 @@ import subprocess
 import tempfile
 import time
 
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the engine gets SIGTERM if the TUI process dies without cleaning up."""
-    os.setsid()
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:
-        pass
+from kvscope.child import die_with_parent
 
 
 def start_engine(cmd: list[str], log_path: str | None = None) -> tuple[subprocess.Popen, str]:
@@ -31,7 +20,7 @@ def start_engine(cmd: list[str], log_path: str | None = None) -> tuple[subproces
     log = open(log_path, "ab")
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent if os.name == "posix" else None, close_fds=True)
+                                preexec_fn=die_with_parent if os.name == "posix" else None, close_fds=True)
     finally:
         log.close()
     return proc, log_path
