@@ -1,0 +1,294 @@
+"""`kvscope serve --engine vllm` without vLLM: the launcher's arguments, its errors, and its process handling.
+
+A stand-in (tests/fakes/vllm_server.py), named by KVSCOPE_VLLM_PYTHON as vLLM's python is, is started exactly as
+vLLM would be; it logs what it was given, serves the OpenAI stream and publishes an event stream, fails at
+start, dies mid-run or ignores SIGTERM on request. The real vLLM runs in tests/test_vllm_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+import time
+
+import pytest
+
+from kvscope.adapters import vllm_server as vs
+from kvscope.cli import main
+from kvscope.errors import KvscopeError
+from tests._helpers import free_port, wait_for
+
+FAKE = os.path.join(os.path.dirname(__file__), "fakes", "vllm_server.py")
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    """An executable named by KVSCOPE_VLLM_PYTHON that runs the stand-in; a checkpoint directory; its log."""
+    exe = tmp_path / "python"
+    exe.write_text(f"#!{sys.executable}\nimport runpy\nrunpy.run_path({FAKE!r}, run_name='__main__')\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000, "eos_token_id": 2,
+                                                   "max_position_embeddings": 512}))
+    log = tmp_path / "standin.jsonl"
+    monkeypatch.setenv(vs.PYTHON_ENV, str(exe))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    return str(model), log
+
+
+def _given(log) -> dict:
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def _ports(n: int = 4) -> int:
+    """A base port with n free ports after it (the events, control, KV-event and replay run)."""
+    for _ in range(100):
+        p = free_port()
+        if all(vs._port_free("127.0.0.1", p + i) for i in range(n)) and p + n < 65536:
+            return p
+    raise AssertionError("no free run of ports")
+
+
+def _serve(model: str, *extra: str, vllm: tuple[str, ...] = ()) -> list[str]:
+    base = _ports()
+    return ["serve", "--engine", "vllm", "--model", model, "--events", f"tcp://127.0.0.1:{base}", *extra,
+            *(("--", *vllm) if vllm else ())]
+
+
+# ---- the launcher's pieces ---------------------------------------------------------------------
+def test_a_missing_venv_is_one_line_naming_make_vllm_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(vs.PYTHON_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KvscopeError, match="make vllm-cpu"):
+        vs.vllm_python(root=str(tmp_path))
+    monkeypatch.setattr(vs, "vllm_python", lambda root=None: (_ for _ in ()).throw(
+        KvscopeError(f"vLLM's CPU build is not installed: {vs.INSTALL_HINT}")))
+    assert main(["serve", "--engine", "vllm", "--model", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make vllm-cpu" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_named_python_that_is_not_executable_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(vs.PYTHON_ENV, str(tmp_path / "nope"))
+    with pytest.raises(KvscopeError, match="not an executable file"):
+        vs.vllm_python()
+
+
+def test_the_venv_is_found_in_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv(vs.PYTHON_ENV, raising=False)
+    py = tmp_path / vs.VENV / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/false\n")
+    py.chmod(0o755)
+    assert vs.vllm_python(root=str(tmp_path)) == str(py)
+
+
+@pytest.mark.parametrize("args,flag", [(["--port", "9"], "--port"), (["--host=0.0.0.0"], "--host"),
+                                       (["--scheduler_cls", "x.Y"], "--scheduler-cls"),
+                                       (["--kv-events-config", "{}"], "--kv-events-config"),
+                                       (["--model", "m"], "--model")])
+def test_flags_kvscope_sets_are_refused_with_the_kvscope_flag_to_use(args, flag):
+    with pytest.raises(KvscopeError, match=flag):
+        vs.check_vllm_args(args)
+
+
+def test_the_data_parallel_size_is_read_as_vllm_writes_it():
+    assert vs.check_vllm_args(["--enforce-eager"]) == 1
+    assert vs.check_vllm_args(["-dp", "2"]) == 2
+    assert vs.check_vllm_args(["--data-parallel-size=3", "--max-num-seqs", "4"]) == 3
+    for bad in (["-dp", "two"], ["--data-parallel-size", "0"]):
+        with pytest.raises(KvscopeError, match="data-parallel-size"):
+            vs.check_vllm_args(bad)
+
+
+def test_rank_addresses_follow_vllms_offset_rule():
+    assert vs.offset_port("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert vs.offset_port("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert vs.offset_port("tcp://[::1]:7000", 1) == "tcp://[::1]:7001"
+    assert vs.offset_port("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"  # left to the OS
+    assert vs.offset_port("inproc://cache", 1) == "inproc://cache_dp1"
+    with pytest.raises(KvscopeError):
+        vs.offset_port("ipc:///tmp/x", 1)
+
+
+def test_kvscope_engine_flags_become_vllms_and_the_rest_are_refused():
+    c = vs.engine_choice({"model": "m", "max_num_seqs": 16, "max_num_batched_tokens": 256, "block_size": 32,
+                          "prefix_caching": False, "policy": "priority", "mode": "continuous", "seed": 5,
+                          "enforce_eager": True, "dtype": "bfloat16", "cpu_threads": 2, "kv_cache_space": 3.0})
+    flags = list(c.flags)
+    pairs = dict(zip(flags, flags[1:]))
+    assert pairs["--max-num-seqs"] == "16" and pairs["--max-num-batched-tokens"] == "256"
+    assert pairs["--block-size"] == "32" and pairs["--seed"] == "5" and pairs["--scheduling-policy"] == "priority"
+    assert "--no-enable-prefix-caching" in flags and "--no-enable-chunked-prefill" in flags
+    assert "--enforce-eager" in flags
+    assert (c.dtype, c.cpu_threads, c.kv_cache_gib) == ("bfloat16", 2, 3)
+    assert vs.engine_choice({}).dtype in ("float32", "bfloat16")  # kvscope's own choice for this CPU
+    for bad, word in (({"policy": "sjf"}, "--policy"), ({"mode": "static"}, "--mode"),
+                      ({"quantization": "gguf"}, "--quantization"), ({"kv_cache_space": 1.5}, "whole GiB"),
+                      ({"backend": "sim"}, "--backend")):
+        with pytest.raises(KvscopeError, match=word):
+            vs.engine_choice(bad)
+
+
+def test_threads_bind_one_slice_of_cpus_per_rank():
+    assert vs.cpu_binding(None, 1, [0, 1]) is None  # vLLM's own choice
+    assert vs.cpu_binding(2, 1, [0, 1]) == "0,1"
+    assert vs.cpu_binding(None, 2, [0, 1]) == "0|1"  # one core each, not both on core 0
+    assert vs.cpu_binding(1, 2, [4, 6, 8]) == "4|6"
+    with pytest.raises(KvscopeError, match="need 4 CPUs"):
+        vs.cpu_binding(2, 2, [0, 1])
+
+
+def test_the_kv_cache_default_is_kvscopes_cpu_rule_shared_by_the_ranks():
+    gib = 1 << 30
+    assert vs.default_kv_cache_gib(1, available=20 * gib) == 4  # half, capped at 4 GiB
+    assert vs.default_kv_cache_gib(2, available=20 * gib) == 2
+    assert vs.default_kv_cache_gib(1, available=3 * gib) == 1
+    assert vs.default_kv_cache_gib(4, available=1 * gib) == 1  # at least one GiB each
+
+
+def test_the_error_line_is_the_cause_not_the_pointer_to_it(tmp_path):
+    log = tmp_path / "v.log"
+    log.write_text("(APIServer pid=1) INFO 12-07 13:00:49 [a.py:1] starting\n"
+                   "(VllmWorker-0 pid=9) ERROR 12-07 13:11:15 [m.py:953] Traceback (most recent call last):\n"
+                   '(VllmWorker-0 pid=9) ERROR 12-07 13:11:15 [m.py:953]   File "x.py", line 3, in f\n'
+                   "(VllmWorker-0 pid=9) ERROR 12-07 13:11:15 [m.py:953] ValueError: Available memory is low\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert vs.error_line(str(log)) == "ValueError: Available memory is low"
+    log.write_text("just a line\nthe last line\n")
+    assert vs.error_line(str(log)) == "the last line"
+    assert vs.error_line(str(tmp_path / "absent.log")) == "(no output)"
+
+
+# ---- the process ------------------------------------------------------------------------------
+def _spec(model: str, **kw) -> vs.LaunchSpec:
+    base = _ports()
+    args = dict(python=os.environ[vs.PYTHON_ENV], model_dir=model, served_model_name="m", host="127.0.0.1",
+                port=free_port(), events_addr=f"tcp://127.0.0.1:{base}", kv_events_addr=f"tcp://127.0.0.1:{base + 2}",
+                kv_replay_addr=f"tcp://127.0.0.1:{base + 3}")
+    args.update(kw)
+    return vs.LaunchSpec(**args)
+
+
+def test_vllms_flags_arrive_as_given_with_no_shell_between(standin, tmp_path):
+    model, log = standin
+    odd = "$(touch " + str(tmp_path / "pwned") + "); echo 'quoted' \"x\""
+    spec = _spec(model, vllm_args=("--enforce-eager", "--chat-template", odd), cpu_bind="0", kv_cache_gib=2,
+                 engine_flags=("--max-num-seqs", "4"), dtype="float32")
+    with vs.VllmServer(spec) as server:
+        server.wait_ready(timeout_s=60)
+    given = _given(log)
+    argv = given["argv"]
+    assert argv[:2] == ["-m", vs.API_SERVER]
+    assert argv[-3:] == ["--enforce-eager", "--chat-template", odd]  # the user's flags last, so they win
+    assert argv[argv.index("--scheduler-cls") + 1] == vs.WATCHED_SCHEDULER
+    assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[argv.index("--dtype") + 1] == "float32"
+    cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec.kv_events_addr,
+                   "replay_endpoint": spec.kv_replay_addr}
+    assert given["env"]["KVSCOPE_VLLM_PUBLISH"] == spec.events_addr
+    assert given["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and given["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_users_own_thread_binding_wins(standin, monkeypatch):
+    model, log = standin
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    with vs.VllmServer(_spec(model, cpu_bind="0|1")) as server:
+        server.wait_ready(timeout_s=60)
+    assert _given(log)["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_a_vllm_that_fails_to_start_is_one_line_with_its_cause_and_log(standin, monkeypatch):
+    model, _ = standin
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "Available memory on node 0 is less than desired")
+    server = vs.VllmServer(_spec(model)).start()
+    with pytest.raises(vs.VllmStartError) as e:
+        server.wait_ready(timeout_s=60)
+    msg = str(e.value)
+    assert "ValueError: Available memory on node 0 is less than desired" in msg
+    assert server.log_path in msg and os.path.isfile(server.log_path) and "\n" not in msg
+    server.stop()
+
+
+def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(standin, monkeypatch):
+    model, _ = standin
+    monkeypatch.setenv("FAKE_VLLM_IGNORE_TERM", "1")
+    server = vs.VllmServer(_spec(model)).start()
+    server.wait_ready(timeout_s=60)
+    pid = server.proc.pid
+    code = server.stop(grace_s=0.5)
+    assert code == -signal.SIGKILL
+    assert not vs._group_alive(pid)
+
+
+# ---- the command ------------------------------------------------------------------------------
+def test_serve_runs_the_workload_over_vllms_api_and_prints_a_summary(standin, capsys):
+    model, log = standin
+    assert main(_serve(model, "--workload", "chat", "--num-requests", "6", "--max-num-seqs", "4",
+                       vllm=("--enforce-eager",))) == 0
+    out, err = capsys.readouterr()
+    assert "requests               6" in out or "requests  " in out
+    assert "(measured by the client, over vLLM's API)" in out
+    assert "2 (vLLM's /metrics)" in out  # the stand-in's preemption counter
+    argv = _given(log)["argv"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[-1] == "--enforce-eager"
+    assert "vLLM ready" in err and "kvscope tui" in err and "vLLM stopped (code 0)" in err
+
+
+def test_serve_says_where_it_listens_and_how_to_watch(standin, capsys):
+    model, _ = standin
+    base = _ports()
+    assert main(["serve", "--engine", "vllm", "--model", model, "--events", f"tcp://127.0.0.1:{base}",
+                 "--workload", "chat", "--num-requests", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"kvscope tui --connect tcp://127.0.0.1:{base} --control tcp://127.0.0.1:{base + 1}" in err
+    assert f"--kv-events tcp://127.0.0.1:{base + 2} --kv-replay tcp://127.0.0.1:{base + 3}" in err
+
+
+def test_a_vllm_that_dies_mid_run_is_one_line_and_the_recording_stays_readable(standin, monkeypatch, tmp_path,
+                                                                                capsys):
+    from kvscope.traces.reader import TraceReader
+
+    model, _ = standin
+    monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "3")
+    trace = tmp_path / "run.kvtrace"
+    assert main(_serve(model, "--http", f"127.0.0.1:{free_port()}", "--record", str(trace))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvscope: error: vLLM exited (code 3): RuntimeError: the engine core died (log: ")
+    reader = TraceReader(str(trace))
+    assert reader.complete and not reader.warnings  # closed with its index, though no bye came
+    assert sum(1 for ev in reader if ev.type == "step") > 0
+
+
+def test_a_vllm_that_fails_at_start_ends_serve_with_one_line(standin, monkeypatch, capsys):
+    model, _ = standin
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "no memory")
+    assert main(_serve(model, "--http", f"127.0.0.1:{free_port()}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvscope: error: vLLM exited while starting (code 1): ValueError: no memory (log: ")
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--json", "x.json"], "--json"), (["--control", "tcp://127.0.0.1:5999"], "--control"),
+    (["--quantization", "gguf"], "--quantization"), (["--", "--port", "1"], "--port"),
+    (["--model", "tiny"], "built into kvscope"), (["--", "-dp", "x"], "data-parallel-size")])
+def test_bad_flags_are_one_line(standin, capsys, args, word):
+    model, _ = standin
+    argv = ["serve", "--engine", "vllm", "--model", model, *args]
+    if "--model" in args:
+        argv = ["serve", "--engine", "vllm", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and word in err[0] and err[0].startswith("kvscope: error:")
+
+
+def test_vllm_flags_without_engine_vllm_are_refused(capsys):
+    assert main(["serve", "--model", "tiny", "--", "--enforce-eager"]) == 2
+    assert "go with --engine vllm" in capsys.readouterr().err
