@@ -292,3 +292,34 @@ def test_bad_flags_are_one_line(standin, capsys, args, word):
 def test_vllm_flags_without_engine_vllm_are_refused(capsys):
     assert main(["serve", "--model", "tiny", "--", "--enforce-eager"]) == 2
     assert "go with --engine vllm" in capsys.readouterr().err
+
+
+# ---- the bench peer ---------------------------------------------------------------------------
+def test_the_bench_peer_sends_every_request_at_once_and_compares_greedy_tokens(standin, monkeypatch):
+    from kvscope.bench import vllm_peer
+    from kvscope.engine.config import EngineConfig
+    from kvscope.workload.generate import WorkloadRequest
+
+    model, log = standin
+    monkeypatch.setattr(vs, "checkpoint", lambda m, dtype: model)
+    items = [WorkloadRequest(0.0, [5, 6, 10 * (i + 1)], max_tokens=4 + i) for i in range(4)]
+    # the stand-in's greedy tokens are prompt[-1] + k: two requests agree, one differs at token 2, one is missing
+    reference = {(5, 6, 10): [10, 11, 12, 13], (5, 6, 20): [20, 21, 99, 23, 24], (5, 6, 30): [30, 31, 32, 33, 34, 35]}
+    row = vllm_peer.vllm_row(EngineConfig(model="smollm2-135m", max_num_seqs=4, max_num_batched_tokens=256), items,
+                             threads=1, reference=reference, log=lambda m: None)
+    assert row.name == "vllm" and row.output_tokens == sum(it.max_tokens for it in items)
+    assert row.ttft_p99_s >= row.ttft_p50_s > 0 and row.output_tok_per_s > 0
+    assert (row.extra["greedy_compared"], row.extra["greedy_same"], row.extra["greedy_first_diff_p50"]) == (3, 2, 2)
+    assert row.preemptions == 0  # vLLM's counter, before and after the run (the stand-in's stays at 2)
+    given = [json.loads(ln) for ln in log.read_text().splitlines()][0]
+    argv = given["argv"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[argv.index("--max-num-batched-tokens") + 1] == "256"
+    assert "--no-enable-prefix-caching" in argv and given["env"]["VLLM_CPU_OMP_THREADS_BIND"] is not None
+
+
+def test_the_bench_peer_refuses_a_model_vllm_cannot_load(standin):
+    from kvscope.bench import vllm_peer
+    from kvscope.engine.config import EngineConfig
+
+    with pytest.raises(KvscopeError, match="built into kvscope"):
+        vllm_peer.check_available(EngineConfig(model="tiny"))

@@ -241,9 +241,10 @@ def free_run(addr: str, count: int, *, movable: bool) -> str:
 
 
 def free_http(host: str, port: int, *, movable: bool) -> int:
-    if _port_free(host, port):
+    """``port`` if free; else (or for port 0), when movable, one the OS hands out; else one line."""
+    if port and _port_free(host, port):
         return port
-    if not movable:
+    if port and not movable:
         raise KvscopeError(f"cannot listen on {host}:{port}: the port is taken")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
