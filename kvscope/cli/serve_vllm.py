@@ -9,8 +9,8 @@ closed and readable.
 
 Ports, from the event address's port P (default 5557, or the first free run of ports when taken), for
 N data-parallel ranks: the watched scheduler's events P..P+N-1, their control sockets P+N..P+2N-1
-(answering `snapshot`), vLLM's KV events P+2N.. and their replay P+3N.., rank r on base + r as vLLM
-offsets its own KV-event ports.
+(answering `snapshot`; --control names another base), vLLM's KV events P+2N.. and their replay P+3N..,
+rank r on base + r as vLLM offsets its own KV-event ports.
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ def run_vllm(args: argparse.Namespace) -> int:
     for key, flag in KVSCOPE_ONLY.items():
         if getattr(args, key, None):
             raise UsageError(f"{flag} is kvscope's engine's; with --engine vllm give vLLM's flags after --")
-    if args.control not in (None, "none"):
-        raise UsageError("--control: a watched vLLM's control socket is placed beside its events (it answers "
-                         "only snapshot); leave --control out")
     if args.kv_events_vllm_encoding != "map":
         raise UsageError("--kv-events-vllm-encoding: vLLM 0.32 publishes the map encoding")
     python = vs.vllm_python()  # a missing .venv-vllm is one line, before anything is fetched or converted
@@ -144,7 +141,15 @@ def _addresses(args, dp: int) -> dict:
         # the default: a run of 4 x ranks free ports (events, control, KV events, replay); a given address: its ranks
         base = vs.free_run(events or DEFAULT_EVENTS_ADDR, 4 * dp if events is None else dp, movable=events is None)
         out["events"] = base
-        out["control"] = vs.free_run(vs.offset_port(base, dp), dp, movable=True)
+        if args.control == "none":  # watchers then wait for the periodic snapshot
+            out["control"] = None
+        elif args.control:
+            if not args.control.startswith("tcp://"):
+                raise UsageError(f"--control {args.control}: vLLM's ranks need tcp://HOST:PORT")
+            check_address(args.control, bind=True, allow_remote=args.allow_remote)
+            out["control"] = vs.free_run(args.control, dp, movable=False)
+        else:
+            out["control"] = vs.free_run(vs.offset_port(base, dp), dp, movable=True)
         default_kv = vs.offset_port(base, 2 * dp)
         default_replay = vs.offset_port(base, 3 * dp)
     else:

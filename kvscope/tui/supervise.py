@@ -45,8 +45,9 @@ def wait_until_serving(proc: subprocess.Popen, events_addr: str, timeout_s: floa
         sub.close()
 
 
-def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grace_s: float = 5.0) -> int | None:
-    """Ask the engine to stop over control, then SIGTERM, then SIGKILL. Returns its exit code."""
+def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grace_s: float = 5.0,
+                term_s: float = 3.0) -> int | None:
+    """Ask the engine to stop over control, then SIGTERM (term_s to finish), then SIGKILL. Returns its exit code."""
     asked = False
     if proc.poll() is None and control_addr:
         try:
@@ -60,7 +61,7 @@ def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grac
         except Exception:  # noqa: BLE001 - best effort: the signals below stop it anyway
             pass
     steps = ((None, grace_s),) if asked else ()
-    for sig, wait in steps + ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+    for sig, wait in steps + ((signal.SIGTERM, term_s), (signal.SIGKILL, 3.0)):
         if sig is not None and proc.poll() is None:
             try:
                 proc.send_signal(sig)
