@@ -10,7 +10,10 @@ cost, and its decode speed), and stops the server. Configurations alternate run 
 - `cold`: the same with an empty compile cache (VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR pointed at
   fresh folders, so the user's own caches are neither used nor touched): a first start on a new machine;
 - `eager`: `--enforce-eager`;
-- `mode0`: `--compilation-config '{"mode": 0}'` (no torch.compile).
+- `mode0`: `--compilation-config '{"mode": 0}'` (no torch.compile);
+- `noaot`: compiled, with VLLM_USE_AOT_COMPILE=0 (vLLM's older compile cache instead of its AOT artifacts, which
+  vLLM 0.32's CPU build fails to load: "Compiling model again due to a load failure ... 'function' object has
+  no attribute 'finalize_loading'"). Its first run fills that cache, the next ones read it.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from kvscope.adapters import vllm_server as vs  # noqa: E402
 from kvscope.adapters.vllm_client import CompletionsClient  # noqa: E402
 
 CONFIGS = {"compiled": (), "cold": (), "eager": ("--enforce-eager",),
-           "mode0": ("--compilation-config", '{"mode": 0}')}
+           "mode0": ("--compilation-config", '{"mode": 0}'), "noaot": ()}
 
 
 def one_start(name: str, model_dir: str, port: int, events_port: int) -> dict:
     extra_env = {}
     tmp = None
+    if name == "noaot":
+        extra_env = {"VLLM_USE_AOT_COMPILE": "0"}
     if name == "cold":
         tmp = tempfile.mkdtemp(prefix="kvscope-vllm-cold-")
         extra_env = {"VLLM_CACHE_ROOT": os.path.join(tmp, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}

@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import sys
+import tempfile
 import time
 
 import pytest
@@ -39,6 +40,7 @@ def standin(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the stand-in's logs stay in the test's folder
     return str(model), log
 
 
@@ -194,6 +196,7 @@ def test_vllms_flags_arrive_as_given_with_no_shell_between(standin, tmp_path):
                    "replay_endpoint": spec.kv_replay_addr}
     assert given["env"]["KVSCOPE_VLLM_PUBLISH"] == spec.events_addr
     assert given["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and given["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert given["env"]["VLLM_USE_AOT_COMPILE"] == "0"  # the compile cache vLLM's CPU build can load
     assert not (tmp_path / "pwned").exists()
 
 

@@ -317,6 +317,10 @@ class LaunchSpec:
         if self.kv_cache_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows each line as vLLM writes it
+        # vLLM 0.32's CPU build cannot load its own AOT compile artifacts ("Compiling model again due to a load
+        # failure ... 'function' object has no attribute 'finalize_loading'"), so every start compiled again;
+        # its older compile cache loads: a warm start took 65 s instead of 107-110 s (docs/VLLM.md)
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         env.update(self.extra_env)
         return env
 

@@ -96,7 +96,7 @@ def _publish(addr: str, stop: threading.Event) -> None:
 def main() -> None:
     argv = sys.argv[1:]
     keep = ("KVSCOPE_VLLM_PUBLISH", "KVSCOPE_VLLM_CONTROL", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-            "KVSCOPE_VLLM_ALLOW_REMOTE")
+            "KVSCOPE_VLLM_ALLOW_REMOTE", "VLLM_USE_AOT_COMPILE")
     if os.environ.get("FAKE_VLLM_LOG"):
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"argv": argv, "env": {k: os.environ.get(k) for k in keep}}) + "\n")
