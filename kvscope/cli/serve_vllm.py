@@ -64,7 +64,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                f"rule: half the available memory, at most 4 GiB; --kv-cache-space N sets it)")
     spec = vs.LaunchSpec(
         python=python, model_dir=model_dir, served_model_name=(args.served_model_name or [model])[0],
-        host=spec_host, port=spec_port, events_addr=addrs["events"], kv_events_addr=addrs["kv"],
+        host=spec_host, port=spec_port, events_addr=addrs["events"], kv_events_addr=addrs["kv_inside"],
         kv_replay_addr=addrs["replay"], dp_size=dp, dtype=choice.dtype, engine_flags=choice.flags,
         vllm_args=tuple(args.vllm_args), api_key=_api_key(args), allow_remote=args.allow_remote,
         cpu_bind=vs.cpu_binding(choice.cpu_threads, dp), kv_cache_gib=kv_gib,
@@ -75,13 +75,15 @@ def run_vllm(args: argparse.Namespace) -> int:
     vs.say(f"starting vLLM ({python} -m {vs.API_SERVER}) on {model_dir}; its log: {server.log_path}")
     vs.say(vs.FIRST_START)
     recorders = _Recorders(args.record, spec) if args.record else None
+    relay = vs.KvEventsRelay([(vs.offset_port(addrs["kv_inside"], r), vs.offset_port(addrs["kv"], r))
+                              for r in range(dp)], allow_remote=args.allow_remote)
     run = None
     failure: str | None = None
     with StopSignals() as signals:
         try:
             server.start()
             server.wait_ready(on_wait=_Progress(), stop=signals.stop)
-            _say_where(spec, server)
+            _say_where(spec, server, addrs["kv"])
             if traffic:
                 run = _Traffic(args, spec, model_dir, signals.stop)
             while not signals.stop.is_set():
@@ -103,6 +105,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             if server.proc is not None and server.exited() is None:
                 vs.say("stopping vLLM ...")
             code = server.stop()
+            relay.close()
             if recorders is not None:
                 recorders.close()
     if run is not None:
@@ -155,6 +158,7 @@ def _addresses(args, dp: int) -> dict:
     else:
         default_kv, default_replay = f"tcp://127.0.0.1:{vs.KV_EVENTS_PORT}", f"tcp://127.0.0.1:{vs.KV_REPLAY_PORT}"
     out["kv"] = args.kv_events_vllm or vs.free_run(default_kv, dp, movable=True)
+    out["kv_inside"] = vs.free_run("tcp://127.0.0.1:0", dp, movable=True)  # vLLM's PUB connects here (the relay)
     out["replay"] = args.kv_replay_vllm or vs.free_run(default_replay, dp, movable=True)
     if args.kv_events_vllm:
         vs.free_run(args.kv_events_vllm, dp, movable=False)
@@ -189,7 +193,7 @@ class _Progress:
             sys.stderr.write("\r\x1b[K")
 
 
-def _say_where(spec, server) -> None:
+def _say_where(spec, server, kv_public: str) -> None:
     from kvscope.adapters import vllm_server as vs
     from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
@@ -213,7 +217,7 @@ def _say_where(spec, server) -> None:
                 cmd += f" --connect {spec.events_addr}"
             vs.say(f"{spec.dp_size} data-parallel ranks, each its scheduler's steps on "
                    f"{', '.join(r[0] for r in ranks)}; watch them side by side: {cmd}")
-    kv = " ".join(f"--kv-events {k}" + (f" --kv-replay {r}" if r else "") for _, k, r in ranks[:1])
+    kv = f"--kv-events {kv_public}" + (f" --kv-replay {ranks[0][2]}" if ranks[0][2] else "")
     vs.say(f"from outside (/metrics and KV events): kvscope tui --vllm {spec.url} {kv}")
 
 
