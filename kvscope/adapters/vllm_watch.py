@@ -65,11 +65,12 @@ class Watch:
         self.dropped = 0  # events the publisher dropped (all time)
         self._starts: dict[int, float] = {}  # id(scheduler output) -> wall time schedule() returned it
         self._preempted: set[str] = set()  # preempted by a schedule() whose step is not published yet
-        self._resync = True  # the next step is preceded by a snapshot and the hello
+        self._resync = False  # the next step is followed by a snapshot and the hello
         self.control = None  # a WatchControl, when KVSCOPE_VLLM_CONTROL names an address
         self.hello = self._hello()
         try:
-            self._send(self.hello)  # the stream starts with it, as a kvscope engine's does
+            self._send(self.hello)  # the stream starts with it and a snapshot, as a kvscope engine's does
+            self._send_snapshot(self.wall_start)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -102,13 +103,6 @@ class Watch:
             dropped = self._take_dropped()
             if dropped:
                 self._resync = True  # a watcher missed deltas: it starts again from a snapshot
-            if self._resync or self.steps % SNAPSHOT_EVERY == 0:
-                self._resync = False
-                snap = self.builder.snapshot(self.builder.step_count, t_start - self.wall_start)
-                for r in snap.requests:
-                    r.arrival = max(0.0, r.arrival - self.wall_start)
-                self._send(snap)
-                self._send(self.hello)
             # with async scheduling the next schedule() ran before this update: the state the step describes
             # already holds its preemptions, so they are this step's (each is published once)
             preempted, self._preempted = self._preempted, set()
@@ -116,11 +110,23 @@ class Watch:
             ev.t = max(0.0, ev.t - self.wall_start)
             self.steps += 1
             self._send(ev)
+            if self._resync or self.steps % SNAPSHOT_EVERY == 0:
+                # after the step, as the protocol has it: the state after step N, so a watcher that followed
+                # every delta holds exactly this snapshot, and one that joins here applies step N+1 on
+                self._resync = False
+                self._send_snapshot(t_end)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
+    def _send_snapshot(self, t: float) -> None:
+        snap = self.builder.snapshot(self.builder.step_count, max(0.0, t - self.wall_start))
+        for r in snap.requests:
+            r.arrival = max(0.0, r.arrival - self.wall_start)
+        self._send(snap)
+        self._send(self.hello)
+
     def request_snapshot(self) -> None:
-        """A watcher joined late or missed events (the control socket's thread): the next step starts with a
+        """A watcher joined late or missed events (the control socket's thread): the next step is followed by a
         snapshot and the hello. Only a flag: vLLM's state is read on its own thread."""
         self._resync = True
 
