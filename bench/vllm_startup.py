@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvscope.adapters import vllm_server as vs  # noqa: E402
+from kvscope.adapters import vllm_flags as vf, vllm_server as vs  # noqa: E402
 from kvscope.adapters.vllm_client import CompletionsClient  # noqa: E402
 
 CONFIGS = {"compiled": (), "cold": (), "eager": ("--enforce-eager",),
@@ -44,7 +44,7 @@ def one_start(name: str, model_dir: str, port: int, events_port: int) -> dict:
     if name == "cold":
         tmp = tempfile.mkdtemp(prefix="kvscope-vllm-cold-")
         extra_env = {"VLLM_CACHE_ROOT": os.path.join(tmp, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
-    spec = vs.LaunchSpec(python=vs.vllm_python(), model_dir=model_dir, served_model_name="smollm2-135m",
+    spec = vs.LaunchSpec(python=vf.vllm_python(), model_dir=model_dir, served_model_name="smollm2-135m",
                          host="127.0.0.1", port=port, events_addr=f"tcp://127.0.0.1:{events_port}",
                          kv_events_addr=f"tcp://127.0.0.1:{events_port + 2}",
                          kv_replay_addr=f"tcp://127.0.0.1:{events_port + 3}", dtype="float32",
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--events-port", type=int, default=5610)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    model_dir = vs.checkpoint("smollm2-135m", "float32")
+    model_dir = vf.checkpoint("smollm2-135m", "float32")
     names = args.configs.split(",")
     order = [n for _ in range(args.runs) for n in names]
     runs = []

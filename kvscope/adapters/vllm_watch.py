@@ -188,7 +188,7 @@ def start_watch(sched) -> Watch | None:
     if not addr:
         return None
     try:
-        from kvscope.adapters.vllm_server import offset_port
+        from kvscope.adapters.vllm_ports import offset_port
         from kvscope.protocol.transport import ZmqPublisher
 
         # one stream per data-parallel rank, on the base port + the rank, as vLLM's KV events

@@ -13,6 +13,7 @@ requests came out identical and where the others first differ.
 
 from __future__ import annotations
 
+import sys
 import time
 
 from kvscope.bench.harness import Row
@@ -23,7 +24,7 @@ NAME = "vllm"
 
 def check_available(config: EngineConfig) -> None:
     """Before minutes are spent on the other rows: vLLM's venv, and a model vLLM can load."""
-    from kvscope.adapters.vllm_server import vllm_python
+    from kvscope.adapters.vllm_flags import vllm_python
     from kvscope.engine.shapes import BUILTIN_SHAPES
     from kvscope.errors import KvscopeError
 
@@ -35,18 +36,18 @@ def check_available(config: EngineConfig) -> None:
 
 def launch_spec(config: EngineConfig, threads: int):
     """How the peer's vLLM is started: kvscope's row settings as vLLM's flags, on loopback ports of its own."""
-    from kvscope.adapters import vllm_server as vs
+    from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
 
-    choice = vs.engine_choice({"dtype": config.dtype})
+    choice = vf.engine_choice({"dtype": config.dtype})
     flags = ["--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens", str(config.max_num_batched_tokens),
              "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
              "--seed", str(config.seed)]
-    events = vs.free_run("tcp://127.0.0.1:5557", 4, movable=True)
+    events = vp.free_run("tcp://127.0.0.1:5557", 4, movable=True)
     return vs.LaunchSpec(
-        python=vs.vllm_python(), model_dir=vs.checkpoint(config.model, choice.dtype), served_model_name=config.model,
-        host="127.0.0.1", port=vs.free_http("127.0.0.1", 0, movable=True), events_addr=events,
-        kv_events_addr=vs.offset_port(events, 2), kv_replay_addr=vs.offset_port(events, 3), dtype=choice.dtype,
-        engine_flags=tuple(flags), cpu_bind=vs.cpu_binding(threads, 1), kv_cache_gib=vs.default_kv_cache_gib(1))
+        python=vf.vllm_python(), model_dir=vf.checkpoint(config.model, choice.dtype), served_model_name=config.model,
+        host="127.0.0.1", port=vp.free_http("127.0.0.1", 0, movable=True), events_addr=events,
+        kv_events_addr=vp.offset_port(events, 2), kv_replay_addr=vp.offset_port(events, 3), dtype=choice.dtype,
+        engine_flags=tuple(flags), cpu_bind=vf.cpu_binding(threads, 1), kv_cache_gib=vf.default_kv_cache_gib(1))
 
 
 def vllm_row(config: EngineConfig, items, threads: int, reference: dict | None = None, log=None) -> Row:
@@ -55,7 +56,7 @@ def vllm_row(config: EngineConfig, items, threads: int, reference: dict | None =
 
     spec = launch_spec(config, threads)
     server = vs.VllmServer(spec)
-    say = log or vs.say
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"[bench] vllm: starting vLLM on {spec.model_dir} ({spec.dtype}, {threads} threads); log {server.log_path}")
     with server:
         server.wait_ready()

@@ -69,7 +69,7 @@ class Demo(Command):
 
 def _vllm_demo(args: argparse.Namespace) -> int:
     """`kvscope demo --engine vllm`: checked here, in one line each, before the dashboard takes the terminal."""
-    from kvscope.adapters.vllm_server import vllm_python
+    from kvscope.adapters.vllm_flags import vllm_python
     from kvscope.engine.shapes import BUILTIN_SHAPES
     from kvscope.tui.demo import VLLM_DEMO_MODEL, run_demo
 

@@ -32,19 +32,18 @@ DEMO_IN_FLIGHT = 48  # the workload's requests unfinished at once before new one
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    from kvscope.adapters import vllm_server as vs
-    from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
+    from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
 
-    dp = vs.check_vllm_args(args.vllm_args)
+    dp = vf.check_vllm_args(args.vllm_args)
     for key, flag in KVSCOPE_ONLY.items():
         if getattr(args, key, None):
             raise UsageError(f"{flag} is kvscope's engine's; with --engine vllm give vLLM's flags after --")
     if args.kv_events_vllm_encoding != "map":
         raise UsageError("--kv-events-vllm-encoding: vLLM 0.32 publishes the map encoding")
-    python = vs.vllm_python()  # a missing .venv-vllm is one line, before anything is fetched or converted
+    python = vf.vllm_python()  # a missing .venv-vllm is one line, before anything is fetched or converted
     settings = engine_settings(args)
     model = settings.get("model") or "smollm2-135m"
-    choice = vs.engine_choice(settings)
+    choice = vf.engine_choice(settings)
     traffic = args.forever or not args.http
     if traffic:
         from kvscope.workload import load_spec
@@ -55,11 +54,11 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise UsageError("--record records the watched scheduler's events: leave out --events none")
     addrs = _addresses(args, dp)
     spec_host, spec_port = addrs["http"]
-    model_dir = vs.checkpoint(model, choice.dtype)
+    model_dir = vf.checkpoint(model, choice.dtype)
     kv_gib = choice.kv_cache_gib
     if kv_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and \
-            vs.flag_value(args.vllm_args, ("--gpu-memory-utilization",)) is None:
-        kv_gib = vs.default_kv_cache_gib(dp)
+            vf.flag_value(args.vllm_args, ("--gpu-memory-utilization",)) is None:
+        kv_gib = vf.default_kv_cache_gib(dp)
         vs.say(f"vLLM's KV cache: {kv_gib} GiB{' per rank' if dp > 1 else ''} (VLLM_CPU_KVCACHE_SPACE, kvscope's "
                f"rule: half the available memory, at most 4 GiB; --kv-cache-space N sets it)")
     spec = vs.LaunchSpec(
@@ -67,7 +66,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         host=spec_host, port=spec_port, events_addr=addrs["events"], kv_events_addr=addrs["kv_inside"],
         kv_replay_addr=addrs["replay"], dp_size=dp, dtype=choice.dtype, engine_flags=choice.flags,
         vllm_args=tuple(args.vllm_args), api_key=_api_key(args), allow_remote=args.allow_remote,
-        cpu_bind=vs.cpu_binding(choice.cpu_threads, dp), kv_cache_gib=kv_gib,
+        cpu_bind=vf.cpu_binding(choice.cpu_threads, dp), kv_cache_gib=kv_gib,
         extra_env={vs.CONTROL_ENV: addrs["control"]} if addrs["control"] else {})
     if addrs["events"] is None:
         spec = _without_events(spec)
@@ -75,7 +74,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     vs.say(f"starting vLLM ({python} -m {vs.API_SERVER}) on {model_dir}; its log: {server.log_path}")
     vs.say(vs.FIRST_START)
     recorders = _Recorders(args.record, spec) if args.record else None
-    relay = vs.KvEventsRelay([(vs.offset_port(addrs["kv_inside"], r), vs.offset_port(addrs["kv"], r))
+    relay = vp.KvEventsRelay([(vp.offset_port(addrs["kv_inside"], r), vp.offset_port(addrs["kv"], r))
                               for r in range(dp)], allow_remote=args.allow_remote)
     run = None
     failure: str | None = None
@@ -122,16 +121,16 @@ def _api_key(args) -> str | None:
 
 def _addresses(args, dp: int) -> dict:
     """HTTP host and port, and the event, control and KV-event addresses of rank 0 (docs/VLLM.md, ports)."""
-    from kvscope.adapters import vllm_server as vs
+    from kvscope.adapters import vllm_ports as vp, vllm_server as vs
     from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
     from kvscope.serve.frontend import parse_host_port
 
     if args.http:
         host, port = parse_host_port(args.http, args.allow_remote)
-        port = vs.free_http(host, port, movable=False)
+        port = vp.free_http(host, port, movable=False)
     else:  # the workload's own server: vLLM's default port on loopback, or a free one
         host = vs.DEFAULT_HTTP[0]
-        port = vs.free_http(host, vs.DEFAULT_HTTP[1], movable=True)
+        port = vp.free_http(host, vs.DEFAULT_HTTP[1], movable=True)
     out = {"http": (host, port), "events": None, "control": None}
     events = None if args.events == "none" else args.events
     for flag, addr in (("--events", events), ("--kv-events-vllm", args.kv_events_vllm),
@@ -142,7 +141,7 @@ def _addresses(args, dp: int) -> dict:
             check_address(addr, bind=True, allow_remote=args.allow_remote)
     if args.events != "none":
         # the default: a run of 4 x ranks free ports (events, control, KV events, replay); a given address: its ranks
-        base = vs.free_run(events or DEFAULT_EVENTS_ADDR, 4 * dp if events is None else dp, movable=events is None)
+        base = vp.free_run(events or DEFAULT_EVENTS_ADDR, 4 * dp if events is None else dp, movable=events is None)
         out["events"] = base
         if args.control == "none":  # watchers then wait for the periodic snapshot
             out["control"] = None
@@ -150,20 +149,20 @@ def _addresses(args, dp: int) -> dict:
             if not args.control.startswith("tcp://"):
                 raise UsageError(f"--control {args.control}: vLLM's ranks need tcp://HOST:PORT")
             check_address(args.control, bind=True, allow_remote=args.allow_remote)
-            out["control"] = vs.free_run(args.control, dp, movable=False)
+            out["control"] = vp.free_run(args.control, dp, movable=False)
         else:
-            out["control"] = vs.free_run(vs.offset_port(base, dp), dp, movable=True)
-        default_kv = vs.offset_port(base, 2 * dp)
-        default_replay = vs.offset_port(base, 3 * dp)
+            out["control"] = vp.free_run(vp.offset_port(base, dp), dp, movable=True)
+        default_kv = vp.offset_port(base, 2 * dp)
+        default_replay = vp.offset_port(base, 3 * dp)
     else:
         default_kv, default_replay = f"tcp://127.0.0.1:{vs.KV_EVENTS_PORT}", f"tcp://127.0.0.1:{vs.KV_REPLAY_PORT}"
-    out["kv"] = args.kv_events_vllm or vs.free_run(default_kv, dp, movable=True)
-    out["kv_inside"] = vs.free_run("tcp://127.0.0.1:0", dp, movable=True)  # vLLM's PUB connects here (the relay)
-    out["replay"] = args.kv_replay_vllm or vs.free_run(default_replay, dp, movable=True)
+    out["kv"] = args.kv_events_vllm or vp.free_run(default_kv, dp, movable=True)
+    out["kv_inside"] = vp.free_run("tcp://127.0.0.1:0", dp, movable=True)  # vLLM's PUB connects here (the relay)
+    out["replay"] = args.kv_replay_vllm or vp.free_run(default_replay, dp, movable=True)
     if args.kv_events_vllm:
-        vs.free_run(args.kv_events_vllm, dp, movable=False)
+        vp.free_run(args.kv_events_vllm, dp, movable=False)
     if args.kv_replay_vllm:
-        vs.free_run(args.kv_replay_vllm, dp, movable=False)
+        vp.free_run(args.kv_replay_vllm, dp, movable=False)
     return out
 
 

@@ -84,7 +84,7 @@ class Tui(Command):
 
 def _replicas(args: argparse.Namespace, connects: list[str], controls: list[str], urls: list[str]) -> int:
     """`--replicas N`: the ranks of one data-parallel deployment, on the ports after the base address."""
-    from kvscope.adapters.vllm_server import offset_port
+    from kvscope.adapters.vllm_ports import offset_port
     from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
     from kvscope.tui.launch import run_replicas
 
