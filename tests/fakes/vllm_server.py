@@ -10,7 +10,7 @@ variables kvscope sets to FAKE_VLLM_LOG (one JSON line), then:
   counter), and /v1/completions streamed with `return_token_ids` (token k of a request is prompt[-1] + k;
   every third chunk carries two ids), and publishes a kvscope event stream (a sim engine's hello,
   snapshot and steps) on KVSCOPE_VLLM_PUBLISH as the watched scheduler does;
-- FAKE_VLLM_DIE_AFTER=S: dies S seconds after it is ready, with an error line and no bye (a crash);
+- FAKE_VLLM_DIE_AFTER=S: dies S seconds after /health first answered 200, with an error line and no bye;
 - FAKE_VLLM_IGNORE_TERM=1: ignores SIGTERM (kvscope must then SIGKILL its group).
 """
 
@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 _HEALTH = [0]
+_READY = threading.Event()  # set when /health first answered 200: a crash is timed from there
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -52,6 +53,8 @@ class _Handler(BaseHTTPRequestHandler):
             _HEALTH[0] += 1
             loading = _HEALTH[0] <= int(os.environ.get("FAKE_VLLM_LOADING", "2"))
             self._send(503 if loading else 200, b"")
+            if not loading:
+                _READY.set()
         elif self.path == "/metrics":
             self._send(200, b'# TYPE vllm:num_preemptions_total counter\n'
                             b'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n')
@@ -118,6 +121,7 @@ def main() -> None:
     print("INFO:     Application startup complete.", flush=True)
     die_after = os.environ.get("FAKE_VLLM_DIE_AFTER")
     if die_after:
+        _READY.wait()
         time.sleep(float(die_after))
         print("(EngineCore pid=2) ERROR 12-07 13:01:00 [core.py:9] RuntimeError: the engine core died", flush=True)
         os._exit(3)
