@@ -43,8 +43,8 @@ DEFAULT_HTTP = ("127.0.0.1", 8000)  # vLLM's own default port, on loopback
 KV_EVENTS_PORT = 5567  # vLLM's KV events without watched events (its own example uses 5557: kvscope's port)
 KV_REPLAY_PORT = 5577
 START_TIMEOUT_S = 1800.0  # a first start on 2 busy cores compiles for several minutes
-STOP_GRACE_S = 20.0
-SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: in-flight requests drain, then its engine core tears down
+STOP_GRACE_S = 30.0
+SHUTDOWN_TIMEOUT_S = 15  # vLLM's --shutdown-timeout: in-flight requests drain, then its engine core tears down
 FIRST_START = "the first start compiles the model (torch.compile: minutes on a small CPU); later ones reuse ~/.cache/vllm"
 
 

@@ -43,7 +43,7 @@ REAL_MODEL_START_TIMEOUT_S = 600.0
 VLLM_DEMO_MODEL = "smollm2-135m"
 VLLM_DEMO_ARGS = ("--engine", "vllm", "--max-num-seqs", "16", "--num-blocks", "48", "--", "--max-model-len", "2048")
 VLLM_START_TIMEOUT_S = 1800.0  # a first start compiles the model: minutes on a small CPU
-VLLM_STOP_S = 30.0  # serve stops vLLM's whole group in order before it exits
+VLLM_STOP_S = 45.0  # serve stops vLLM in order (its drain, its workers) before it exits
 
 
 def vllm_demo_command(events_addr: str, control_addr: str, model: str = VLLM_DEMO_MODEL,
