@@ -54,7 +54,7 @@ class LaunchSpec:
 
     python: str
     model_dir: str
-    served_model_name: str
+    served_model_name: str  # the name clients ask for (and metrics carry)
     host: str
     port: int
     events_addr: str  # the watched scheduler's address for rank 0 (rank r: port + r)
@@ -69,6 +69,7 @@ class LaunchSpec:
     kv_cache_gib: int | None = None
     allow_remote: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    more_names: tuple[str, ...] = ()  # further names clients may ask for (vLLM's --served-model-name takes several)
 
     def kv_events_config(self) -> str:
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events_addr}
@@ -78,7 +79,8 @@ class LaunchSpec:
 
     def argv(self) -> list[str]:
         cmd = [self.python, "-m", API_SERVER, "--model", self.model_dir,
-               "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
+               "--served-model-name", self.served_model_name, *self.more_names, "--host", self.host,
+               "--port", str(self.port),
                "--scheduler-cls", WATCHED_SCHEDULER, "--kv-events-config", self.kv_events_config()]
         if self.dtype:
             cmd += ["--dtype", self.dtype]
@@ -128,7 +130,7 @@ _NOT_THE_CAUSE = ("See root cause above", "Engine core initialization failed", "
 # what a start is doing, from its log (the first pattern that matches the newest line wins)
 PHASES = (("Application startup complete", "ready"), ("Starting vLLM API server", "opening the API"),
           ("Capturing|warmup|Warming up|Compiling|compile", "compiling and warming up"),
-          ("KV cache size|num_gpu_blocks|Maximum concurrency", "sizing the KV cache"),
+          ("KV cache size:|Maximum concurrency", "sizing the KV cache"),
           ("Loading weights|safetensors|Loading model", "loading the weights"),
           ("Initializing a V1 LLM engine|EngineCore", "starting the engine core"),
           ("non-default args|version", "reading the config"))

@@ -49,33 +49,19 @@ def run_vllm(args: argparse.Namespace) -> int:
         from kvscope.workload import load_spec
 
         load_spec(args.workload)
-    check_output_path(args.record, inputs=[args.workload], kind="kvtrace")
     if args.record and args.events == "none":
         raise UsageError("--record records the watched scheduler's events: leave out --events none")
+    for path in (_rank_path(args.record, r, dp) for r in range(dp)) if args.record else ():
+        check_output_path(path, inputs=[args.workload], kind="kvtrace")
     addrs = _addresses(args, dp)
-    spec_host, spec_port = addrs["http"]
     model_dir = vf.checkpoint(model, choice.dtype)
-    kv_gib = choice.kv_cache_gib
-    if kv_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and \
-            vf.flag_value(args.vllm_args, ("--gpu-memory-utilization",)) is None:
-        kv_gib = vf.default_kv_cache_gib(dp)
-        vs.say(f"vLLM's KV cache: {kv_gib} GiB{' per rank' if dp > 1 else ''} (VLLM_CPU_KVCACHE_SPACE, kvscope's "
-               f"rule: half the available memory, at most 4 GiB; --kv-cache-space N sets it)")
-    spec = vs.LaunchSpec(
-        python=python, model_dir=model_dir, served_model_name=(args.served_model_name or [model])[0],
-        host=spec_host, port=spec_port, events_addr=addrs["events"], kv_events_addr=addrs["kv_inside"],
-        kv_replay_addr=addrs["replay"], dp_size=dp, dtype=choice.dtype, engine_flags=choice.flags,
-        vllm_args=tuple(args.vllm_args), api_key=_api_key(args), allow_remote=args.allow_remote,
-        cpu_bind=vf.cpu_binding(choice.cpu_threads, dp), kv_cache_gib=kv_gib,
-        extra_env={vs.CONTROL_ENV: addrs["control"]} if addrs["control"] else {})
-    if addrs["events"] is None:
-        spec = _without_events(spec)
+    spec = _launch_spec(args, dp, python, model_dir, model, choice, addrs)
     server = vs.VllmServer(spec)
     vs.say(f"starting vLLM ({python} -m {vs.API_SERVER}) on {model_dir}; its log: {server.log_path}")
     vs.say(vs.FIRST_START)
-    recorders = _Recorders(args.record, spec) if args.record else None
     relay = vp.KvEventsRelay([(vp.offset_port(addrs["kv_inside"], r), vp.offset_port(addrs["kv"], r))
                               for r in range(dp)], allow_remote=args.allow_remote)
+    recorders = _Recorders(args.record, spec) if args.record else None
     run = None
     failure: str | None = None
     with StopSignals() as signals:
@@ -113,6 +99,29 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise UsageError(failure)
     vs.say(f"vLLM stopped (code {code}); its log: {server.log_path}")
     return 0
+
+
+def _launch_spec(args, dp: int, python: str, model_dir: str, model: str, choice, addrs: dict):
+    """What vLLM is started with: kvscope's flags as vLLM's, the addresses, the KV cache, the threads."""
+    from dataclasses import replace
+
+    from kvscope.adapters import vllm_flags as vf, vllm_server as vs
+
+    kv_gib = choice.kv_cache_gib
+    if kv_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and \
+            vf.flag_value(args.vllm_args, ("--gpu-memory-utilization",)) is None:
+        kv_gib = vf.default_kv_cache_gib(dp)
+        vs.say(f"vLLM's KV cache: {kv_gib} GiB{' per rank' if dp > 1 else ''} (VLLM_CPU_KVCACHE_SPACE, kvscope's "
+               f"rule: half the available memory, at most 4 GiB; --kv-cache-space N sets it)")
+    names = args.served_model_name or [model]
+    spec = vs.LaunchSpec(
+        python=python, model_dir=model_dir, served_model_name=names[0], more_names=tuple(names[1:]),
+        host=addrs["http"][0], port=addrs["http"][1], events_addr=addrs["events"] or "",
+        kv_events_addr=addrs["kv_inside"], kv_replay_addr=addrs["replay"], dp_size=dp, dtype=choice.dtype,
+        engine_flags=choice.flags, vllm_args=tuple(args.vllm_args), api_key=_api_key(args),
+        allow_remote=args.allow_remote, cpu_bind=vf.cpu_binding(choice.cpu_threads, dp), kv_cache_gib=kv_gib,
+        extra_env={vs.CONTROL_ENV: addrs["control"]} if addrs["control"] else {})
+    return spec if addrs["events"] else replace(spec, extra_env={})
 
 
 def _api_key(args) -> str | None:
@@ -166,12 +175,6 @@ def _addresses(args, dp: int) -> dict:
     return out
 
 
-def _without_events(spec):
-    from dataclasses import replace
-
-    return replace(spec, events_addr="", extra_env={})
-
-
 class _Progress:
     """vLLM's start, said while it lasts: one line redrawn each second on a terminal, a line a phase in a log."""
 
@@ -186,10 +189,6 @@ class _Progress:
         elif phase != self.last_phase:
             print(f"kvscope: starting vLLM … {seconds:.0f} s · {phase}", file=sys.stderr, flush=True)
         self.last_phase = phase
-
-    def done(self) -> None:
-        if self.tty:
-            sys.stderr.write("\r\x1b[K")
 
 
 def _say_where(spec, server, kv_public: str) -> None:
