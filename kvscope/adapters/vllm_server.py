@@ -271,9 +271,9 @@ class VllmServer:
                 pass
         try:
             proc.wait(timeout=grace_s)
+            _wait_group(proc.pid, 5.0)  # its engine cores and workers leave after the API server
         except subprocess.TimeoutExpired:
-            pass
-        _wait_group(proc.pid, 5.0)  # its engine cores and workers leave after the API server
+            pass  # the API server itself is stuck: no point waiting for the rest
         if _group_alive(proc.pid):
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -91,8 +91,8 @@ def run_vllm(args: argparse.Namespace) -> int:
                 vs.say("stopping vLLM ...")
             code = server.stop()
             relay.close()
-            if recorders is not None:
-                recorders.close()
+            if recorders is not None:  # a vLLM that died sends no bye: nothing to wait for
+                recorders.close(wait_bye_s=0.0 if failure else 5.0)
     if run is not None:
         run.print_summary(preemptions)
     if failure is not None:
