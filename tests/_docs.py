@@ -150,6 +150,9 @@ def subcommand(argv: list[str]) -> str | None:
 
 
 def flags(argv: list[str]) -> list[str]:
+    """The --flags of a kvscope invocation; after a lone `--` they are another program's (serve --engine vllm)."""
+    if "--" in argv:
+        argv = argv[:argv.index("--")]
     return [re.match(r"--[A-Za-z0-9][A-Za-z0-9-]*", a).group(0) for a in argv
             if re.match(r"--[A-Za-z0-9]", a)]
 

@@ -101,3 +101,32 @@ def test_the_record_command_says_when_nothing_arrived(tmp_path, capsys):
     assert main(["record", str(out), "--connect", addr, "--control", "", "--duration", "0.3"]) == 1
     assert capsys.readouterr().err == f"kvscope record: nothing arrived from {addr}; no trace written\n"
     assert not out.exists()
+
+
+def test_heartbeats_of_an_idle_engine_are_not_recorded(tmp_path):
+    """docs/PROTOCOL.md: a heartbeat says the engine is up and is never part of a trace."""
+    pub = ZmqPublisher("tcp://127.0.0.1:0", heartbeat_s=0.02)
+    synth = SimRun(seed=4)
+    synth.take()
+    path = tmp_path / "idle.kvtrace"
+
+    def engine():
+        time.sleep(0.3)  # the recorder's subscription arrives
+        pub.publish(synth.hello())
+        pub.publish(synth.snapshot())
+        for _ in range(3):
+            for ev in synth.step():
+                pub.publish(ev)
+        time.sleep(0.5)  # idle: heartbeats only
+        pub.publish(ByeEvent(synth.done_step, synth.t))
+
+    th = threading.Thread(target=engine, daemon=True)
+    th.start()
+    try:
+        n = record(pub.addr, path, stop_after_s=DEADLINE_S)
+    finally:
+        th.join()
+        pub.close()
+    kinds = [ev.type for ev in TraceReader(path)]
+    assert n > 0 and kinds[-1] == "bye" and "step" in kinds
+    assert "heartbeat" not in kinds

@@ -136,7 +136,7 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
             break
         core.step()
         consumer.feed(pub.frames)
-        if check_every_step and consumer.map is not None:
+        if check_every_step and consumer.steps:  # from the first published step (async: one core step later)
             tables, queues = vllm_truth(sched, sched._kvscope.builder.ids)
             assert consumer.tables() == tables, f"step {i}: block tables differ"
             assert consumer.queues == queues, f"step {i}: queues differ"
@@ -380,3 +380,29 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
             assert app.query_one(BlockMapWidget).render()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("batch_queue,async_scheduling", [(1, False), (2, True)], ids=["Scheduler", "AsyncScheduler"])
+def test_a_watcher_that_follows_every_delta_holds_each_later_snapshot(batch_queue, async_scheduling, monkeypatch):
+    """docs/PROTOCOL.md: a snapshot with step S is the state after step S, so the map rebuilt from the deltas
+    before it equals it, block for block (a snapshot taken mid-step would hold the next step's changes)."""
+    from kvscope.adapters import vllm_watch
+
+    monkeypatch.setattr(vllm_watch, "SNAPSHOT_EVERY", 16)
+    sched, pub = watched(num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128, async_scheduling=async_scheduling)
+    _, consumer, _ = drive(sched, pub, batch_queue=batch_queue, check_every_step=False)
+    follower, checked = None, 0
+    for ev in consumer.events:
+        if isinstance(ev, SnapshotEvent):
+            if follower is None:
+                follower = BlockMap.from_snapshot(ev)
+                continue
+            want = BlockMap.from_snapshot(ev)
+            assert {r: t for r, t in follower.tables.items() if t} == {r: t for r, t in want.tables.items() if t}, \
+                f"snapshot after step {ev.step}"
+            assert follower.refcount[:len(want.refcount)] == want.refcount and follower.cached[:len(want.cached)] == \
+                want.cached, f"snapshot after step {ev.step}"
+            checked += 1
+        elif isinstance(ev, StepEvent):
+            follower.apply_step(ev)
+    assert checked > 10

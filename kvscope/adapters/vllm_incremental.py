@@ -47,7 +47,8 @@ class IncrementalBuilder(VllmEventBuilder):
         for new in raw.scheduled_new_reqs:
             blocks = list(new.block_ids[0]) if new.block_ids else []
             mirror[new.req_id] = blocks
-            self._pending.append((new.req_id, blocks))
+            # a copy: the mirror's list grows with the next schedule(), which may come before this step is built
+            self._pending.append((new.req_id, list(blocks)))
         cached = raw.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for vid, ids in zip(cached.req_ids, cached.new_block_ids):
@@ -55,7 +56,7 @@ class IncrementalBuilder(VllmEventBuilder):
                 continue
             blocks = list(ids[0])
             if vid in resumed:  # back from preemption: its whole table
-                mirror[vid] = blocks
+                mirror[vid] = list(blocks)
             else:
                 mirror.setdefault(vid, []).extend(blocks)
             if blocks:

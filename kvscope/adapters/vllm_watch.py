@@ -36,6 +36,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 ENV_ADDR = "KVSCOPE_VLLM_PUBLISH"  # the stat-logger plugin's variable (kvscope.adapters.vllm_plugin.ENV_ADDR)
 ENV_REMOTE = "KVSCOPE_VLLM_ALLOW_REMOTE"
+ENV_CONTROL = "KVSCOPE_VLLM_CONTROL"  # a control socket answering `snapshot` (kvscope.adapters.vllm_watch_control)
+HEARTBEAT_S = 0.5  # an idle vLLM calls no scheduler method: heartbeats keep its watchers live, as `kvscope serve`'s
 BACKEND = "vllm-scheduler"  # hello.config.backend: a real vLLM's own scheduler (knobs in vLLM's flags)
 QUEUE_SIZE = 8192  # events waiting for the publisher's thread; past this they are dropped and counted
 SNAPSHOT_EVERY = 256  # steps between snapshots (+ hello): a late joiner (tui, record) starts from one
@@ -63,10 +65,12 @@ class Watch:
         self.dropped = 0  # events the publisher dropped (all time)
         self._starts: dict[int, float] = {}  # id(scheduler output) -> wall time schedule() returned it
         self._preempted: set[str] = set()  # preempted by a schedule() whose step is not published yet
-        self._resync = True  # the next step is preceded by a snapshot and the hello
+        self._resync = False  # the next step is followed by a snapshot and the hello
+        self.control = None  # a WatchControl, when KVSCOPE_VLLM_CONTROL names an address
         self.hello = self._hello()
         try:
-            self._send(self.hello)  # the stream starts with it, as a kvscope engine's does
+            self._send(self.hello)  # the stream starts with it and a snapshot, as a kvscope engine's does
+            self._send_snapshot(self.wall_start)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -99,13 +103,6 @@ class Watch:
             dropped = self._take_dropped()
             if dropped:
                 self._resync = True  # a watcher missed deltas: it starts again from a snapshot
-            if self._resync or self.steps % SNAPSHOT_EVERY == 0:
-                self._resync = False
-                snap = self.builder.snapshot(self.builder.step_count, t_start - self.wall_start)
-                for r in snap.requests:
-                    r.arrival = max(0.0, r.arrival - self.wall_start)
-                self._send(snap)
-                self._send(self.hello)
             # with async scheduling the next schedule() ran before this update: the state the step describes
             # already holds its preemptions, so they are this step's (each is published once)
             preempted, self._preempted = self._preempted, set()
@@ -113,11 +110,30 @@ class Watch:
             ev.t = max(0.0, ev.t - self.wall_start)
             self.steps += 1
             self._send(ev)
+            if self._resync or self.steps % SNAPSHOT_EVERY == 0:
+                # after the step, as the protocol has it: the state after step N, so a watcher that followed
+                # every delta holds exactly this snapshot, and one that joins here applies step N+1 on
+                self._resync = False
+                self._send_snapshot(t_end)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
+    def _send_snapshot(self, t: float) -> None:
+        snap = self.builder.snapshot(self.builder.step_count, max(0.0, t - self.wall_start))
+        for r in snap.requests:
+            r.arrival = max(0.0, r.arrival - self.wall_start)
+        self._send(snap)
+        self._send(self.hello)
+
+    def request_snapshot(self) -> None:
+        """A watcher joined late or missed events (the control socket's thread): the next step is followed by a
+        snapshot and the hello. Only a flag: vLLM's state is read on its own thread."""
+        self._resync = True
+
     def close(self) -> None:
         try:
+            if self.control is not None:
+                self.control.close()
             from kvscope.protocol.events import ByeEvent
 
             self._send(ByeEvent(self.builder.step_count, max(0.0, time.time() - self.wall_start), "stopped"))
@@ -172,19 +188,42 @@ def start_watch(sched) -> Watch | None:
     if not addr:
         return None
     try:
+        from kvscope.adapters.vllm_ports import offset_port
         from kvscope.protocol.transport import ZmqPublisher
 
-        pub = ZmqPublisher(addr, queue_size=QUEUE_SIZE, allow_remote=os.environ.get(ENV_REMOTE) == "1")
+        # one stream per data-parallel rank, on the base port + the rank, as vLLM's KV events
+        rank = _dp_rank(sched)
+        remote = os.environ.get(ENV_REMOTE) == "1"
+        addr = offset_port(addr, rank)
+        pub = ZmqPublisher(addr, queue_size=QUEUE_SIZE, allow_remote=remote, heartbeat_s=HEARTBEAT_S)
         try:
             watch = Watch(sched, pub)
         except Exception:
             pub.close(0)
             raise
         log.info("kvscope: publishing vLLM's scheduler steps on %s", pub.addr)
+        control = os.environ.get(ENV_CONTROL, "").strip()
+        if control:
+            try:
+                from kvscope.adapters.vllm_watch_control import WatchControl
+
+                watch.control = WatchControl(offset_port(control, rank), watch.request_snapshot, allow_remote=remote)
+            except Exception as e:  # noqa: BLE001 - without it watchers wait for the periodic snapshot
+                log.warning("kvscope: no control socket on %s: %s: %s", control, type(e).__name__, e)
         return watch
     except Exception as e:  # noqa: BLE001 - a bad address must not stop vLLM from serving
         log.warning("kvscope: not publishing on %s: %s: %s", addr, type(e).__name__, e)
         return None
+
+
+def _dp_rank(sched) -> int:
+    """The scheduler's data-parallel rank, as vLLM numbers its KV-event publishers (data_parallel_index)."""
+    parallel = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        rank = getattr(parallel, name, None)
+        if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 4096:
+            return rank
+    return 0
 
 
 class WatchedScheduler(Scheduler):

@@ -86,11 +86,12 @@ def warm_up(engine) -> None:
 
 def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
                on_progress: Callable[[int], None] | None = None, before_run: Callable | None = None,
-               slo: Slo = NO_SLO):
+               slo: Slo = NO_SLO, outputs: dict | None = None):
     """Serve items through one fresh engine after a warm-up; make_sink(engine), if given, builds the sink
     attached after the warm-up; before_run(engine), if given, is called then too (the roofline's step
     recorder); on_progress(n) is called as requests finish. Returns the engine and the server (its metrics;
-    ``server.goodput``: every finished request's finish record, as a trace holds it, judged against slo)."""
+    ``server.goodput``: every finished request's finish record, as a trace holds it, judged against slo).
+    With ``outputs``, each finished request's generated token ids go there, keyed by its prompt (a tuple)."""
     from kvscope.engine.telemetry import finish_record
 
     engine = LLMEngine(config)
@@ -104,6 +105,8 @@ def run_config(config: EngineConfig, items, make_sink: Callable | None = None,
 
     def finished(req) -> None:
         goodput.add(RequestRecord.of_finish(finish_record(req)), req.finish_time)
+        if outputs is not None:
+            outputs[tuple(req.prompt_token_ids)] = list(req.output_token_ids)
 
     server = Server(engine, ServeOptions(verbose_rejects=False), on_progress=on_progress, on_finished=finished)
     server.goodput = goodput

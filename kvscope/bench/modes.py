@@ -71,12 +71,14 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
     rows = []
     ideal: roofline.Roofline | None = None  # once the machine is measured (after the first row)
     thread_choice = config.cpu_threads  # the peers run at the count kvscope's own runner ended on
+    # the first row's greedy tokens, for the peers that compare theirs (same prompts, both greedy)
+    reference: dict | None = {} if any(p in peers.REFERENCE_PEERS for p in options.peers) else None
     for mode in options.modes:
         log(f"[bench] {mode} ...", file=sys.stderr)
         steps: list = []
         engine, server = run_config(row_config(config, mode), items, slo=options.slo or NO_SLO,
                                     before_run=(lambda e: steps.append(roofline.StepShapes(e.runner)))
-                                    if options.roofline else None)
+                                    if options.roofline else None, outputs=reference if not rows else None)
         if not rows:
             log(f"[bench] {engine.describe_dtype()}", file=sys.stderr)
             log(f"[bench] {engine.describe_kv_cache()}", file=sys.stderr)
@@ -93,7 +95,8 @@ def run_bench(config: EngineConfig, options: BenchOptions, log=print) -> dict:
         rows.append(row.to_dict())
     for peer in options.peers:
         log(f"[bench] {peer} ...", file=sys.stderr)
-        row = peers.PEERS[peer](replace(config, cpu_threads=thread_choice), items)
+        kw = {"reference": reference} if peer in peers.REFERENCE_PEERS else {}
+        row = peers.PEERS[peer](replace(config, cpu_threads=thread_choice), items, **kw)
         if ideal is not None:
             row.extra.update(ideal.extra(peers.peer_step_shapes(peer, items, config), row.duration_s))
         rows.append(row.to_dict())
@@ -148,9 +151,23 @@ def _measure_machine(engine, config: EngineConfig, log) -> roofline.Roofline:
     return roofline.Roofline.of(peaks, shape)
 
 
+def greedy_lines(result: dict) -> list[str]:
+    """For a peer that compared its greedy tokens with kvscope's first row: how many came out the same."""
+    first = result["rows"][0]["name"] if result.get("rows") else "?"
+    out = []
+    for r in result.get("rows", []):
+        if r.get("greedy_compared"):
+            line = (f"{r['name']}: greedy tokens identical to kvscope's {first} row in {r['greedy_same']} of "
+                    f"{r['greedy_compared']} requests")
+            if r.get("greedy_first_diff_p50") is not None:
+                line += f"; the others first differ at token {r['greedy_first_diff_p50']:.0f} (median)"
+            out.append(line)
+    return out
+
+
 def print_table(result: dict) -> None:
     print(rows_table(result))
-    for line in ranking_lines(result):
+    for line in ranking_lines(result) + greedy_lines(result):
         print(line)
     if "roofline" in result:
         p = result["roofline"]["peaks"]

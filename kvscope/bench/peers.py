@@ -153,15 +153,32 @@ def check_llama_server(config: EngineConfig) -> None:
     check_available(config)
 
 
+def vllm(config: EngineConfig, items, reference: dict | None = None) -> Row:
+    """A real vLLM server (its CPU build, .venv-vllm) on the same checkpoint, every request at once over its API
+    (kvscope/bench/vllm_peer.py), same threads; its greedy tokens set beside kvscope's (reference)."""
+    from kvscope.bench.vllm_peer import vllm_row
+
+    return vllm_row(config, items, config.cpu_threads or default_cpu_threads(), reference)
+
+
+def check_vllm(config: EngineConfig) -> None:
+    from kvscope.bench.vllm_peer import check_available
+
+    check_available(config)
+
+
 PEERS: dict[str, Callable[[EngineConfig, list], Row]] = {"hf-static": hf_static, "hf-generate-batch": hf_generate_batch,
                                                          "llama-cpp": llama_cpp, "llama-cpp-bf16": llama_cpp_16bit("bf16"),
-                                                         "llama-cpp-f16": llama_cpp_16bit("f16"), "llama-server": llama_server}
+                                                         "llama-cpp-f16": llama_cpp_16bit("f16"), "llama-server": llama_server,
+                                                         "vllm": vllm}
 DEFAULT_PEERS = ("hf-static", "hf-generate-batch")  # the llama.cpp peers are optional extras
 # Checked before any row runs, so a missing extra costs seconds, not the minutes of the rows before it.
 PEER_CHECKS: dict[str, Callable[[EngineConfig], None]] = {"llama-cpp": check_llama_cpp,
                                                           "llama-cpp-bf16": check_llama_cpp,
                                                           "llama-cpp-f16": check_llama_cpp,
-                                                          "llama-server": check_llama_server}
+                                                          "llama-server": check_llama_server,
+                                                          "vllm": check_vllm}
+REFERENCE_PEERS = ("vllm",)  # peers that compare their greedy tokens with kvscope's first row
 
 
 def peer_step_shapes(peer: str, items, config: EngineConfig):

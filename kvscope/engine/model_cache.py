@@ -292,3 +292,30 @@ def load(gguf_path: str, dtype: torch.dtype, device: str,
         log(f"cannot write the converted cache ({e.strerror or e}); the next start converts the GGUF again")
         return model, tokenizer, ""
     return model, tokenizer, "converted into the cache"
+
+
+def checkpoint_dir(gguf_path: str, dtype: torch.dtype, log: Callable[[str], None] = _say) -> str:
+    """The converted entry of this GGUF in this dtype as a Hugging Face checkpoint directory, for another
+    program to load (`kvscope serve --engine vllm` hands it to vLLM); converted first if the cache lacks it."""
+    from kvscope.engine import gguf
+
+    gguf.check_servable(gguf_path)  # refused in one line before any conversion
+    if not cache_enabled():
+        raise KvscopeError(f"another engine reads the converted model from the cache, which {NO_CACHE_ENV} "
+                           "turns off: unset it")
+    try:
+        entry = entry_for(gguf_path, dtype)
+    except OSError as e:
+        raise KvscopeError(f"cannot read {gguf_path}: {e.strerror or e}") from None
+    if os.path.isdir(entry.path):
+        try:
+            check_sizes(entry, _read_manifest(entry))
+            return entry.path
+        except CorruptEntry as e:
+            log(f"the converted cache of {os.path.basename(gguf_path)} is damaged ({e}); converting it again")
+            discard(entry)
+    load(gguf_path, dtype, "cpu", lambda: gguf.load_gguf(gguf_path, dtype, "cpu")[:2], log)
+    if not os.path.isdir(entry.path):
+        raise KvscopeError(f"could not write the converted model into {converted_dir()}; another engine needs it "
+                           "there (is the cache folder writable? set KVSCOPE_CACHE_DIR)")
+    return entry.path

@@ -57,7 +57,7 @@ def record(
                 client.request("snapshot")
                 last_ask = time.monotonic()
             ev = sub.recv(50)
-            if ev is None:
+            if ev is None or ev.type == "heartbeat":  # liveness only: never part of a trace (docs/PROTOCOL.md)
                 continue
             if ev.type == "hello":
                 if writer is None:

@@ -1,6 +1,6 @@
 """The one kvscope Textual app: feeds, an optional player, one ≤30 Hz timer, the first screen.
 
-    KvscopeApp(feeds, player=None, first="dashboard" | "overview" | "compare" | "vllm")
+    KvscopeApp(feeds, player=None, first="dashboard" | "overview" | "compare" | "vllm" | "replicas")
 
 Each tick the player (if any) moves its cursors, every feed folds what arrived
 (``Feed.pump``: the one fold loop lives in ``feeds.base.EventFeed``), and the screens
@@ -28,9 +28,9 @@ from kvscope.tui.screens.base import FeedView
 
 MAX_FPS = 30.0
 STARTUP_LOG_ENV = "KVSCOPE_STARTUP_LOG"  # a file: "first-draw T" and "first-step T" (unix times) are appended
-First = Literal["dashboard", "overview", "compare", "vllm", "tour"]
+First = Literal["dashboard", "overview", "compare", "vllm", "tour", "replicas"]
 TITLES = {"dashboard": "kvscope", "overview": "kvscope · engines", "compare": "kvscope compare",
-          "vllm": "kvscope · vLLM", "tour": "kvscope tour"}
+          "vllm": "kvscope · vLLM", "tour": "kvscope tour", "replicas": "kvscope · replicas"}
 
 
 class KvscopeApp(App):
@@ -128,6 +128,10 @@ class KvscopeApp(App):
 
             assert self.player is not None, "compare needs a player"
             return CompareScreen([f for f in self.feeds if isinstance(f, ReplayFeed)], self.player, self.notes)
+        if self.first == "replicas":
+            from kvscope.tui.screens.replicas import ReplicasScreen
+
+            return ReplicasScreen([f for f in self.feeds if isinstance(f, EventFeed)])
         if self.first == "tour":
             from kvscope.tui.feeds.tour import TourFeed
             from kvscope.tui.screens.tour import TourScreen

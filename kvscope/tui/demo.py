@@ -37,6 +37,22 @@ START_TIMEOUT_S = 60.0  # model load on a slow CPU; a child that fails is report
 REAL_MODEL_START_TIMEOUT_S = 600.0
 
 
+# `kvscope demo --engine vllm`: a real vLLM (its CPU build) on SmolLM2 with the demo's traffic over its API.
+# 16 sequences at once over 48 of vLLM's 128-token CPU blocks (6,144 tokens), so bursts queue and a full
+# pool preempts; every request still fits (2,048 tokens at most).
+VLLM_DEMO_MODEL = "smollm2-135m"
+VLLM_DEMO_ARGS = ("--engine", "vllm", "--max-num-seqs", "16", "--num-blocks", "48", "--", "--max-model-len", "2048")
+VLLM_START_TIMEOUT_S = 1800.0  # a first start compiles the model: minutes on a small CPU
+VLLM_STOP_S = 45.0  # serve stops vLLM in order (its drain, its workers) before it exits
+
+
+def vllm_demo_command(events_addr: str, control_addr: str, model: str = VLLM_DEMO_MODEL,
+                      workload: str = "demo") -> list[str]:
+    """`kvscope serve --engine vllm --forever`: vLLM's flags last (after --), so nothing may follow them."""
+    return [sys.executable, "-m", "kvscope.cli", "serve", "--forever", "--workload", workload, "--events", events_addr,
+            "--control", control_addr, "--model", model, "--no-progress", *VLLM_DEMO_ARGS]
+
+
 def sim_demo_args(gpu: str = "h100-sxm5") -> tuple[str, ...]:
     return ("--backend", "sim", "--gpu", gpu, "--kv-cache-dtype", "fp8", "--sim-pace", "1",
             "--burst-every", "10")
@@ -65,10 +81,11 @@ def demo_command(events_addr: str, control_addr: str, *, device: str = "auto", m
 def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str = DEFAULT_EVENTS_ADDR,
              control_addr: str = DEFAULT_CONTROL_ADDR, model: str = "tiny", workload: str = "demo",
              extra_args: tuple[str, ...] = (), log_path: str | None = None, sim_gpu: str | None = None,
-             start_timeout_s: float = START_TIMEOUT_S) -> None:
+             start_timeout_s: float = START_TIMEOUT_S, engine: str = "kvscope") -> None:
     """Start ``kvscope serve --forever --workload demo`` as a child, watch it, stop it on quit.
 
-    With sim_gpu, the child is the sim backend: Llama 3.3 70B FP8 on that GPU, in real time.
+    With sim_gpu, the child is the sim backend: Llama 3.3 70B FP8 on that GPU, in real time. With engine "vllm",
+    the child is `kvscope serve --engine vllm --forever`: a real vLLM, the demo's traffic sent over its API.
     An engine that fails to start is a KvscopeError carrying its own error line.
     """
     if sim_gpu is None and model not in BUILTIN_SHAPES:
@@ -77,7 +94,12 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
             fetch(model)  # here, before the dashboard takes the terminal: pip's progress bar shows
     events_addr, control_addr = free_if_taken(events_addr), free_if_taken(control_addr)
     asked_log = log_path
-    if sim_gpu is not None:
+    stop_s = 3.0
+    if engine == "vllm":
+        start_timeout_s = max(start_timeout_s, VLLM_START_TIMEOUT_S)
+        cmd = vllm_demo_command(events_addr, control_addr, model=model, workload=workload)
+        stop_s = VLLM_STOP_S
+    elif sim_gpu is not None:
         cmd = demo_command(events_addr, control_addr, device=device, model=SIM_DEMO_MODEL,
                            workload=SIM_DEMO_WORKLOAD, extra_args=extra_args, engine_args=sim_demo_args(sim_gpu))
     else:
@@ -102,7 +124,7 @@ def run_demo(palette: str = "default", device: str = "auto", *, events_addr: str
         failed = True
         raise
     finally:
-        code = stop_engine(proc, control_addr)
+        code = stop_engine(proc, control_addr, term_s=stop_s)
     if not failed and code not in (0, None, -signal.SIGTERM):
         print(f"kvscope demo: warning: {_engine_failed(code, log_path)}", file=sys.stderr)
     elif not failed and own_log:

@@ -31,6 +31,20 @@ def run_live(events_addr: str = DEFAULT_EVENTS_ADDR, control_addr: str | None = 
         raise KvscopeError(feed.fatal)
 
 
+def make_replicas_app(ranks: list[tuple[str, str | None]], *, palette: str = "default", slo=None, **kw):
+    """The ranks of a data-parallel deployment side by side, a LiveFeed each: (events addr, control addr)."""
+    from kvscope.tui.app import KvscopeApp
+    from kvscope.tui.feeds import LiveFeed
+    from kvscope.tui.sources import LiveSource
+
+    feeds = [LiveFeed(LiveSource(events, control), name=events, address=events, slo=slo) for events, control in ranks]
+    return KvscopeApp(feeds, first="replicas", palette=palette, **kw)
+
+
+def run_replicas(ranks: list[tuple[str, str | None]], *, palette: str = "default", slo=None) -> None:
+    make_replicas_app(ranks, palette=palette, slo=slo).run()
+
+
 def make_replay_app(path: str, *, palette: str = "default", speed: float = 1.0, playing: bool = True,
                     start_step: int | None = None, clock=None, auto_tick: bool = True,
                     index_in_background: bool = True, slo=None):

@@ -9,18 +9,7 @@ import subprocess
 import tempfile
 import time
 
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the engine gets SIGTERM if the TUI process dies without cleaning up."""
-    os.setsid()
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:
-        pass
+from kvscope.child import die_with_parent
 
 
 def start_engine(cmd: list[str], log_path: str | None = None) -> tuple[subprocess.Popen, str]:
@@ -31,7 +20,7 @@ def start_engine(cmd: list[str], log_path: str | None = None) -> tuple[subproces
     log = open(log_path, "ab")
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent if os.name == "posix" else None, close_fds=True)
+                                preexec_fn=die_with_parent if os.name == "posix" else None, close_fds=True)
     finally:
         log.close()
     return proc, log_path
@@ -56,8 +45,9 @@ def wait_until_serving(proc: subprocess.Popen, events_addr: str, timeout_s: floa
         sub.close()
 
 
-def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grace_s: float = 5.0) -> int | None:
-    """Ask the engine to stop over control, then SIGTERM, then SIGKILL. Returns its exit code."""
+def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grace_s: float = 5.0,
+                term_s: float = 3.0) -> int | None:
+    """Ask the engine to stop over control, then SIGTERM (term_s to finish), then SIGKILL. Returns its exit code."""
     asked = False
     if proc.poll() is None and control_addr:
         try:
@@ -71,7 +61,7 @@ def stop_engine(proc: subprocess.Popen, control_addr: str | None = None, *, grac
         except Exception:  # noqa: BLE001 - best effort: the signals below stop it anyway
             pass
     steps = ((None, grace_s),) if asked else ()
-    for sig, wait in steps + ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+    for sig, wait in steps + ((signal.SIGTERM, term_s), (signal.SIGKILL, 3.0)):
         if sig is not None and proc.poll() is None:
             try:
                 proc.send_signal(sig)
