@@ -83,7 +83,23 @@ from kvscope.protocol.events import (
     StepEvent,
 )
 
-__all__ = ["VllmEventBuilder", "RequestIds", "finish_reason"]
+__all__ = ["VllmEventBuilder", "RequestIds", "finish_reason", "usable_blocks", "table_slots"]
+
+
+def usable_blocks(pool: Any) -> int:
+    """Blocks of vLLM's pool that can hold KV: ``num_gpu_blocks`` less its null block (block 0), as
+    ``BlockPool.get_usage()`` counts them."""
+    return max(0, pool.num_gpu_blocks - 1)
+
+
+def table_slots(blocks: int, computed: int | None, block_size: int) -> tuple[int, int, int]:
+    """(token slots, tail waste, reserve waste) of one request's table of ``blocks`` blocks with ``computed``
+    tokens (None: unknown, counted full): the slots of the blocks its computed tokens need, less those
+    tokens, are its tail; its blocks past those are reserved ahead."""
+    cap = blocks * block_size
+    c = cap if computed is None else max(0, min(computed, cap))
+    need = -(-c // block_size)
+    return c, need * block_size - c, (blocks - need) * block_size
 
 
 class RequestIds:
@@ -200,23 +216,29 @@ class VllmEventBuilder:
 
     def kv_counters(self, tables: dict[int, list[int]] | None = None,
                     state: tuple[dict[int, int], set[int]] | None = None) -> KvCounters:
+        """The pool's counters by docs/PROTOCOL.md's rule: the null block is no block of the pool, so
+        ``total`` is ``num_gpu_blocks - 1`` and ``used / total`` is vLLM's own ``BlockPool.get_usage()``."""
         tables = self.block_tables() if tables is None else tables
         refs, cached = self._block_state() if state is None else state
-        bs = self.block_size
-        slots = waste = 0
+        requests, name = self.sched.requests, self.ids.name
+        slots = tail = reserve = 0
         for rid, table in tables.items():
-            req = self.sched.requests.get(self.ids.name(rid))
-            computed = min(req.num_computed_tokens, len(table) * bs) if req is not None else len(table) * bs
-            slots += computed
-            waste += len(table) * bs - computed
+            req = requests.get(name(rid))
+            s, t, r = table_slots(len(table), req.num_computed_tokens if req is not None else None, self.block_size)
+            slots += s
+            tail += t
+            reserve += r
+        total = usable_blocks(self.pool)
+        free = self.pool.get_num_free_blocks()
         return KvCounters(
-            total=self.pool.num_gpu_blocks,
-            used=len(refs),
-            free=self.pool.get_num_free_blocks(),
+            total=total,
+            used=total - free,
+            free=free,
             cached=len(cached),
             shared=sum(1 for c in refs.values() if c > 1),
             token_slots=slots,
-            tail_waste=max(0, waste),
+            tail_waste=tail,
+            reserve_waste=reserve,
             hit_tokens=self.hit_tokens,
             query_tokens=self.query_tokens,
         )
@@ -298,7 +320,8 @@ class VllmEventBuilder:
             mode="chunked" if sc.enable_chunked_prefill else "continuous",
             policy=str(getattr(s.policy, "value", s.policy)),
             block_size=self.block_size,
-            num_blocks=self.pool.num_gpu_blocks,
+            num_blocks=self.pool.num_gpu_blocks,  # block ids are vLLM's physical ids, 1..num_gpu_blocks - 1
+            null_block=self.pool.null_block.block_id,
             max_num_seqs=s.max_num_running_reqs,
             max_num_batched_tokens=s.max_num_scheduled_tokens,
             prefix_caching=bool(s.cache_config.enable_prefix_caching),

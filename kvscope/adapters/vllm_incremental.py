@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.adapters.vllm_events import VllmEventBuilder
+from kvscope.adapters.vllm_events import VllmEventBuilder, usable_blocks
 from kvscope.protocol.blockmap import BlockJournal
 from kvscope.protocol.events import KvCounters
 
@@ -30,6 +30,7 @@ class IncrementalBuilder(VllmEventBuilder):
         self._pending: list[tuple[str, list[int]]] = []  # (vLLM id, blocks added) since the last step
         self._released: list[tuple[str, list[int]]] = []  # tables preempted since the last step
         self._cached_now: set[int] = set()  # free blocks holding a prefix, by the changes seen
+        self._shared: set[int] = set()  # blocks with refcount > 1, by the changes seen
         self._in_step = False
 
     # ---- the mirror ----------------------------------------------------------------------
@@ -44,9 +45,9 @@ class IncrementalBuilder(VllmEventBuilder):
             table = mirror.pop(vid, None)
             if table:
                 self._released.append((vid, table))
-        for new in raw.scheduled_new_reqs:
+        for new in raw.scheduled_new_reqs:  # the mirror's list grows later; the pending one must not
             blocks = list(new.block_ids[0]) if new.block_ids else []
-            mirror[new.req_id] = blocks
+            mirror[new.req_id] = list(blocks)
             self._pending.append((new.req_id, blocks))
         cached = raw.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
@@ -55,7 +56,7 @@ class IncrementalBuilder(VllmEventBuilder):
                 continue
             blocks = list(ids[0])
             if vid in resumed:  # back from preemption: its whole table
-                mirror[vid] = blocks
+                mirror[vid] = list(blocks)
             else:
                 mirror.setdefault(vid, []).extend(blocks)
             if blocks:
@@ -75,6 +76,7 @@ class IncrementalBuilder(VllmEventBuilder):
                         for vid, blocks in self._manager().req_to_blocks.items()}
         self._pending, self._released = [], []
         self._cached_now = {bo.block for bo in snap.blocks if bo.refcount <= 0}
+        self._shared = {bo.block for bo in snap.blocks if bo.refcount > 1}
         return snap
 
     # ---- what VllmEventBuilder.step reads, cheaply while stepping ---------------------------
@@ -122,6 +124,13 @@ class IncrementalBuilder(VllmEventBuilder):
                 else:
                     j.alloc(b, rid)
                 cached.discard(b)
+        shared = self._shared  # a refcount changes only where a table gained or lost the block
+        for _, table in (*released, *pending):
+            for b in table:
+                if blocks[b].ref_cnt > 1:
+                    shared.add(b)
+                else:
+                    shared.discard(b)
         self._pending, self._released = [], []
         return j.take()
 
@@ -129,10 +138,18 @@ class IncrementalBuilder(VllmEventBuilder):
         if not self._in_step:
             return super().kv_counters(tables, state)
         pool, bs = self.pool, self.block_size
+        requests = self.sched.requests
+        slots = need = held = 0
+        for vid, table in self._mirror.items():  # O(requests holding blocks); the same sums as table_slots()
+            n = len(table)
+            cap = n * bs
+            req = requests.get(vid)
+            c = cap if req is None else min(req.num_computed_tokens, cap)
+            slots += c
+            need += -(-c // bs)
+            held += n
+        total = usable_blocks(pool)
         free = pool.get_num_free_blocks()
-        held = sum(map(len, self._mirror.values())) * bs  # slots in the blocks the requests hold
-        slots = min(held, sum(r.num_computed_tokens for r in self.sched.running))  # the waiting hold little
-        waste = held - slots
-        return KvCounters(total=pool.num_gpu_blocks, used=max(0, pool.num_gpu_blocks - 1 - free), free=free,
-                          cached=len(self._cached_now), token_slots=slots, tail_waste=max(0, waste),
-                          hit_tokens=self.hit_tokens, query_tokens=self.query_tokens)
+        return KvCounters(total=total, used=total - free, free=free, cached=len(self._cached_now),
+                          shared=len(self._shared), token_slots=slots, tail_waste=need * bs - slots,
+                          reserve_waste=(held - need) * bs, hit_tokens=self.hit_tokens, query_tokens=self.query_tokens)

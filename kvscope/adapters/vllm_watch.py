@@ -63,10 +63,11 @@ class Watch:
         self.dropped = 0  # events the publisher dropped (all time)
         self._starts: dict[int, float] = {}  # id(scheduler output) -> wall time schedule() returned it
         self._preempted: set[str] = set()  # preempted by a schedule() whose step is not published yet
-        self._resync = True  # the next step is preceded by a snapshot and the hello
+        self._resync = False  # the next step is followed by a snapshot and the hello
         self.hello = self._hello()
-        try:
-            self._send(self.hello)  # the stream starts with it, as a kvscope engine's does
+        try:  # the stream starts with the hello and a snapshot, as a kvscope engine's does
+            self._send(self.hello)
+            self._snapshot(time.time())
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -93,19 +94,12 @@ class Watch:
             self._fail(e)
 
     def updated(self, out) -> None:
+        t_end = time.time()
         try:
-            t_end = time.time()
             t_start = self._starts.pop(id(out), t_end)
             dropped = self._take_dropped()
             if dropped:
-                self._resync = True  # a watcher missed deltas: it starts again from a snapshot
-            if self._resync or self.steps % SNAPSHOT_EVERY == 0:
-                self._resync = False
-                snap = self.builder.snapshot(self.builder.step_count, t_start - self.wall_start)
-                for r in snap.requests:
-                    r.arrival = max(0.0, r.arrival - self.wall_start)
-                self._send(snap)
-                self._send(self.hello)
+                self._resync = True  # a watcher missed deltas: a snapshot follows this step
             # with async scheduling the next schedule() ran before this update: the state the step describes
             # already holds its preemptions, so they are this step's (each is published once)
             preempted, self._preempted = self._preempted, set()
@@ -115,6 +109,13 @@ class Watch:
             self._send(ev)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
+        # a snapshot with step S is the state after step S (docs/PROTOCOL.md): it follows the step's event
+        if self._resync or self.steps % SNAPSHOT_EVERY == 0:
+            try:
+                self._snapshot(t_end)
+                self._send(self.hello)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
 
     def close(self) -> None:
         try:
@@ -126,6 +127,13 @@ class Watch:
             self._fail(e)
 
     # ---- inside ----------------------------------------------------------------------------
+    def _snapshot(self, t: float) -> None:
+        self._resync = False
+        snap = self.builder.snapshot(self.builder.step_count, max(0.0, t - self.wall_start))
+        for r in snap.requests:
+            r.arrival = max(0.0, r.arrival - self.wall_start)
+        self._send(snap)
+
     def _hello(self):
         from kvscope.adapters.vllm_plugin import engine_info
         from kvscope.protocol.events import PROTOCOL_VERSION, HelloEvent
