@@ -150,16 +150,23 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
     return core, consumer, checked
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("async_scheduling", [False, True, None], ids=["Scheduler", "AsyncScheduler", "vLLM-default"])
 def test_vllm_config_names_the_watched_class_and_vllm_builds_it(async_scheduling):
+    """vLLM's default (async_scheduling None) is resolved by VllmConfig to on, unless something forbids it; the
+    engine core then runs two batches in flight, and the watched class is an AsyncScheduler, as vLLM's own."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvscope.adapters.vllm_watch import WatchedAsyncScheduler, WatchedScheduler
 
     sched = build(WATCHED, async_scheduling=async_scheduling)
+    on = sched.vllm_config.scheduler_config.async_scheduling
+    assert on == (async_scheduling is not False)
+    assert (sched.vllm_config.max_concurrent_batches == 2) == on
     assert isinstance(sched, WatchedScheduler)
-    assert isinstance(sched, AsyncScheduler) == async_scheduling, "the same choice vLLM makes for its own class"
-    assert (type(sched) is WatchedAsyncScheduler) == async_scheduling
+    assert isinstance(sched, AsyncScheduler) == on, "the same choice vLLM makes for its own class"
+    assert (type(sched) is WatchedAsyncScheduler) == on
+    assert type(build(None, async_scheduling=async_scheduling)) is (AsyncScheduler if on else Scheduler)
     assert sched._kvscope is None, "without KVSCOPE_VLLM_PUBLISH nothing is built"
     explicit = build("kvscope.adapters.vllm_watch.WatchedAsyncScheduler", async_scheduling=True)
     assert type(explicit) is WatchedAsyncScheduler
@@ -333,6 +340,13 @@ def test_a_recording_of_the_watched_scheduler_replays_and_diagnoses(tmp_path):
     w.close()
     steps = [e for e in TraceReader(path) if isinstance(e, StepEvent)]
     assert len(steps) == sum(isinstance(e, StepEvent) for e in frames)
+    import vllm
+
+    from kvscope.traces.info import trace_info
+
+    info = trace_info(path)  # the engine, its scheduler, vLLM's version and the device vLLM ran on
+    assert f"engine:     vLLM {vllm.__version__} (its scheduler watched from inside) on cpu" in info, info
+    assert "null_block=0" in info and "num_blocks=40" in info
     d = diagnose_trace(str(path), what_if=False)
     assert d.bottleneck == "kv_capacity", d.bottleneck
     assert d.knobs and not any(k.flag.startswith(("--mode", "--num-blocks")) for k in d.knobs)
@@ -380,5 +394,12 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
             assert (st.running, st.waiting, st.preempted) == (running, waiting, preempted)
             assert {r: t for r, t in st.blocks.tables.items() if t} == tables
             assert app.query_one(BlockMapWidget).render()
+            from kvscope.tui.widgets.header import HeaderBar
+
+            import vllm
+
+            top = str(app.screen.query_one(HeaderBar).render()).splitlines()[0]
+            assert f"cpu · vLLM {vllm.__version__}" in top and f"vLLM {vllm.__version__} scheduler" in top, top
+            assert st.kv.total == 47 and st.kv.used + st.kv.free == 47, "the pool less vLLM's null block"
 
     asyncio.run(run())

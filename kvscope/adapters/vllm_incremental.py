@@ -7,19 +7,43 @@ output carries the blocks it gave each request (a new request's or a resumed one
 running one's new blocks), and a request that leaves ``req_to_blocks`` gave its table back. So this
 builder keeps a mirror of the tables (updated in ``after_schedule``, O(new blocks)), finds the
 requests that left (O(requests in the mirror)), reads the refcount and cached state of only the blocks
-that moved, and keeps the KV counters by the same changes. Everything else (batch, queues, admission,
-hits, first tokens, finishes, snapshots) is VllmEventBuilder's; ``snapshot()`` resets the mirror.
+that moved, and keeps the KV counters by the same changes. Its ``step()`` does per request only
+what must be per request: the batch entry (built when ``schedule()`` returns it, so a start position
+is the one that step computed from, even with async scheduling), whether it sampled, the queue lists;
+finishes come from vLLM's own set of freed requests, not a scan. Admission, hits, preemptions and
+snapshots are VllmEventBuilder's; ``snapshot()`` resets the mirror.
 
 Assumes one KV-cache group of full attention (group 0), as VllmEventBuilder's tables do.
 """
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import add, attrgetter, floordiv
 from typing import Any
 
-from kvscope.adapters.vllm_events import VllmEventBuilder, usable_blocks
+from kvscope.adapters.vllm_events import VllmEventBuilder, _Seen, finish_reason, usable_blocks
 from kvscope.protocol.blockmap import BlockJournal
-from kvscope.protocol.events import KvCounters
+from kvscope.protocol.events import (
+    BLOCKED_KV,
+    DECODE,
+    PREFILL,
+    BatchEntry,
+    BlockAlloc,
+    Finish,
+    FirstToken,
+    ItlSample,
+    KvCounters,
+    Preemption,
+    PrefixHit,
+    RefChange,
+    StepEvent,
+)
+
+_computed = attrgetter("num_computed_tokens")
+_request_id = attrgetter("request_id")
+_req = attrgetter("req")
+_outputs = attrgetter("num_output_tokens")
 
 
 class IncrementalBuilder(VllmEventBuilder):
@@ -31,6 +55,8 @@ class IncrementalBuilder(VllmEventBuilder):
         self._released: list[tuple[str, list[int]]] = []  # tables preempted since the last step
         self._cached_now: set[int] = set()  # free blocks holding a prefix, by the changes seen
         self._shared: set[int] = set()  # blocks with refcount > 1, by the changes seen
+        self._batches: dict[int, tuple[list, list]] = {}  # id(output) -> (batch entries, their _Seen)
+        self._freed: set[str] = set()  # requests vLLM freed (finished) by schedule() calls since the last step
         self._in_step = False
 
     # ---- the mirror ----------------------------------------------------------------------
@@ -38,8 +64,11 @@ class IncrementalBuilder(VllmEventBuilder):
         raw = getattr(out, "_out", out)  # the watch may hand a view of the output
         if id(raw) in self._mirrored:
             return  # folded in when schedule() returned it (step() calls this again)
-        super().after_schedule(out)
         self._mirrored.add(id(raw))
+        self._batches[id(raw)] = self._batch_now(raw)
+        freed = raw.finished_req_ids
+        if freed:
+            self._freed.update(freed)
         mirror = self._mirror
         for vid in raw.preempted_req_ids or ():
             table = mirror.pop(vid, None)
@@ -62,13 +91,94 @@ class IncrementalBuilder(VllmEventBuilder):
             if blocks:
                 self._pending.append((vid, blocks))
 
-    def step(self, out: Any, t_start: float, t_end: float, dropped: int = 0):
+    def _batch_now(self, raw: Any) -> tuple[list, list]:
+        """The step's batch entries and their requests' records, read right after ``schedule()`` (vLLM
+        has just advanced ``num_computed_tokens`` by the step's tokens: start = computed - scheduled)."""
+        requests, seen_map, ids = self.sched.requests, self._seen, self.ids
+        entries: list = []
+        members: list = []
+        for vid, n in raw.num_scheduled_tokens.items():
+            seen = seen_map.get(vid)
+            if seen is None:
+                req = requests.get(vid)
+                if req is None:
+                    continue
+                seen = seen_map[vid] = _Seen(req, ids[vid])
+            req = seen.req
+            start = req.num_computed_tokens - n
+            if start < 0:
+                start = 0
+            # a decode computes one token past the prompt; a prompt chunk or a resumed request's recompute is a prefill
+            entries.append(BatchEntry(seen.rid, DECODE if n == 1 and start >= req.num_prompt_tokens else PREFILL,
+                                      n, start))
+            members.append(seen)
+        return entries, members
+
+    def step(self, out: Any, t_start: float, t_end: float, dropped: int = 0) -> StepEvent:
+        """VllmEventBuilder.step's event, with per-request work only where the protocol needs an entry."""
+        raw = getattr(out, "_out", out)
+        self.after_schedule(out)  # a no-op when the watch handed it over at schedule()
+        self._mirrored.discard(id(raw))  # a later output may be folded in already
+        entries, members = self._batches.pop(id(raw))
         self._in_step = True
         try:
-            return super().step(out, t_start, t_end, dropped)
+            return self._step(out, entries, members, t_start, t_end, dropped)
         finally:
             self._in_step = False
-            self._mirrored.discard(id(getattr(out, "_out", out)))  # a later output may be folded in already
+
+    def _step(self, out: Any, batch: list, members: list, t_start: float, t_end: float, dropped: int) -> StepEvent:
+        s, ids, seen_map = self.sched, self.ids, self._seen
+        self.step_count += 1
+        preempted_vids = out.preempted_req_ids or ()
+        admission = self.admission(out)
+        bs = self.block_size
+        hits = [PrefixHit(rid, n, n // bs) for rid, n in self.admissions(out) if n]
+        preemptions = []
+        for vid in sorted(preempted_vids, key=ids.__getitem__):
+            preemptions.append(Preemption(ids[vid], BLOCKED_KV))
+            seen = seen_map.get(vid)
+            if seen is not None:
+                seen.preemptions += 1
+        # who sampled: only the step's scheduled requests get tokens from its update
+        sampled, first_tokens, itl = [], [], []
+        for seen, n_out in zip(members, map(_outputs, map(_req, members))):
+            if n_out > seen.outputs:
+                rid = seen.rid
+                sampled.append(rid)
+                if seen.outputs == 0:
+                    seen.ttft = t_end - seen.req.arrival_time
+                    first_tokens.append(FirstToken(rid, seen.ttft))
+                elif seen.last_t is not None:
+                    itl.append(ItlSample(rid, t_end - seen.last_t))
+                seen.outputs = n_out
+                seen.last_t = t_end
+        # who finished: vLLM's own record of the requests it freed (handed to each schedule(), and since)
+        freed = self._freed
+        freed.update(getattr(s, "finished_req_ids", ()) or ())
+        finished = []
+        requests = s.requests
+        for vid in [v for v in freed if v in seen_map]:
+            seen = seen_map[vid]
+            req = seen.req
+            if vid in requests and not req.is_finished():
+                continue  # freed under this id earlier, and a new request reuses it
+            finished.append(Finish(seen.rid, seen.ttft or 0.0, t_end - req.arrival_time, req.num_output_tokens,
+                                   finish_reason(req.status)))
+            ids.forget(vid)
+            del seen_map[vid]
+            self._announced.discard(vid)
+        freed.clear()
+        if finished:
+            self._last_running = ([], [])  # a finished request's vLLM id may come back as a new request
+        alloc, freed_blocks, refs = self._deltas(None, None, None)
+        self._claims.apply(alloc, freed_blocks, refs)
+        running, waiting, preempted = self.queues()
+        return StepEvent(
+            step=self.step_count, t=t_start, dur=t_end - t_start, budget=s.max_num_scheduled_tokens, batch=batch,
+            running=running, waiting=waiting, preempted=preempted, admission=admission, preemptions=preemptions,
+            alloc=[BlockAlloc(b, r) for b, r in alloc], freed=freed_blocks, refs=[RefChange(b, c) for b, c in refs],
+            sampled=sampled, first_tokens=first_tokens, finished=finished, itl=itl, kv=self.kv_counters(),
+            dropped=dropped, hits=hits)
 
     def snapshot(self, step: int, t: float):
         snap = super().snapshot(step, t)  # reads the whole state (the full scan, once per snapshot)
@@ -93,7 +203,7 @@ class IncrementalBuilder(VllmEventBuilder):
         live = self._manager().req_to_blocks
         mirror, ids = self._mirror, self.ids
         released = self._released
-        for vid in [v for v in mirror if v not in live]:  # finished or aborted since the last step
+        for vid in mirror.keys() - live.keys():  # finished or aborted since the last step
             released.append((vid, mirror.pop(vid)))
         pending = [(vid, bs) for vid, bs in self._pending if vid in mirror]
         reused: dict[int, int] = {}  # block -> times handed out since the last step
@@ -101,6 +211,23 @@ class IncrementalBuilder(VllmEventBuilder):
             for b in bs:
                 reused[b] = reused.get(b, 0) + 1
         cached = self._cached_now
+        shared = self._shared  # a refcount changes only where a table gained or lost the block
+        if not released:  # the common step: blocks only handed out, so the net deltas are the hand-outs
+            alloc: list[tuple[int, int]] = []
+            refs: list[tuple[int, int]] = []
+            for vid, bs in pending:
+                rid = ids[vid]
+                for b in bs:
+                    alloc.append((b, rid))
+                    rc = blocks[b].ref_cnt
+                    if rc > 1:
+                        refs.append((b, rc))
+                        shared.add(b)
+                    else:
+                        shared.discard(b)
+                    cached.discard(b)
+            self._pending = []
+            return alloc, [], refs
         j = BlockJournal()
         for _, table in released:
             for b in table:
@@ -116,7 +243,7 @@ class IncrementalBuilder(VllmEventBuilder):
                     j.free(b)
                     cached.discard(b)
         for vid, bs in pending:
-            rid = ids(vid)
+            rid = ids[vid]
             for b in bs:
                 rc = blocks[b].ref_cnt
                 if rc > 1:
@@ -124,7 +251,6 @@ class IncrementalBuilder(VllmEventBuilder):
                 else:
                     j.alloc(b, rid)
                 cached.discard(b)
-        shared = self._shared  # a refcount changes only where a table gained or lost the block
         for _, table in (*released, *pending):
             for b in table:
                 if blocks[b].ref_cnt > 1:
@@ -138,16 +264,30 @@ class IncrementalBuilder(VllmEventBuilder):
         if not self._in_step:
             return super().kv_counters(tables, state)
         pool, bs = self.pool, self.block_size
+        mirror = self._mirror
+        held = sum(map(len, mirror.values()))
+        running = self.sched.running
+        names = self._last_running[0]  # queues() read them this step
+        if len(running) == len(mirror) == len(names) and all(map(mirror.__contains__, names)):
+            # every table is a running request's and vLLM allocates for its computed tokens: the sums of
+            # table_slots() without a Python loop
+            computed = list(map(_computed, running))
+            slots = sum(computed)
+            need = sum(map(floordiv, map(add, computed, repeat(bs - 1)), repeat(bs)))
+            if need <= held and slots <= held * bs:
+                return self._counters(held, slots, need)
         requests = self.sched.requests
-        slots = need = held = 0
-        for vid, table in self._mirror.items():  # O(requests holding blocks); the same sums as table_slots()
-            n = len(table)
-            cap = n * bs
+        slots = need = 0
+        for vid, table in mirror.items():  # a waiting request holding KV, or a table past its tokens
+            cap = len(table) * bs
             req = requests.get(vid)
             c = cap if req is None else min(req.num_computed_tokens, cap)
             slots += c
             need += -(-c // bs)
-            held += n
+        return self._counters(held, slots, need)
+
+    def _counters(self, held: int, slots: int, need: int) -> KvCounters:
+        pool, bs = self.pool, self.block_size
         total = usable_blocks(pool)
         free = pool.get_num_free_blocks()
         return KvCounters(total=total, used=total - free, free=free, cached=len(self._cached_now),

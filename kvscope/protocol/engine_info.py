@@ -236,6 +236,31 @@ def engine_name(info: EngineInfo) -> str:
     return "vllm" if info.backend in VLLM_BACKENDS else ("kvscope" if info.backend else "")
 
 
+_VLLM_HOW = {"vllm-scheduler": "its scheduler watched from inside", "vllm-plugin": "its stat logger",
+             "vllm": "watched from outside"}
+
+
+def engine_label(info: EngineInfo) -> str:
+    """One line naming the engine, the scheduler that decided, vLLM's version and the device, e.g.
+    ``vLLM 0.32.0 (its scheduler watched from inside) on cpu`` or ``kvscope with vLLM 0.33.0's scheduler on cpu``."""
+    version = info.vllm_version if isinstance(info.vllm_version, str) and info.vllm_version else ""
+    vllm = f"vLLM {version}" if version else "vLLM"
+    engine = engine_name(info)
+    if engine == "vllm":
+        how = _VLLM_HOW.get(info.backend, "")
+        head = f"{vllm} ({how})" if how else vllm
+    elif engine == "kvscope":
+        if info.scheduler == "vllm":
+            head = f"kvscope with {vllm}'s scheduler"
+        else:
+            head = "kvscope" + (f" ({info.mode} scheduling)" if info.mode else "")
+        if info.backend == "sim":
+            head += ", sim backend"
+    else:
+        head = "engine not named"
+    return head + (f" on {info.device}" if info.device else "")
+
+
 def usable_blocks(info: EngineInfo) -> int | None:
     """Blocks that can hold KV (``kv.total``): ``num_blocks`` less the null block, if any; None if unknown."""
     if info.num_blocks is None:
