@@ -79,6 +79,7 @@ def run_watched(*, seed: int, num_blocks: int, max_num_seqs: int, budget: int, p
             if not core.busy():
                 break
             core.step()
+            sched._kvscope.flush()  # the watch's thread has assembled and published the step
             steps = consumer.steps
             for frame in wire.frames:
                 consumer.feed(frame)
@@ -219,6 +220,7 @@ def test_the_consumer_finds_a_counter_off_by_the_null_block():
     core.add(list(range(1, 60)), 4)
     while core.busy():
         core.step()
+    sched._kvscope.flush()
     for frame in wire.frames:
         ev = decode(frame)
         if ev.type in ("step", "snapshot"):

@@ -135,6 +135,7 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()  # the watch's thread has assembled and published the step
         published = len(consumer.steps)
         consumer.feed(pub.frames)
         # (with async scheduling the first iteration only schedules: no step is published, vLLM is mid-step)
@@ -260,6 +261,7 @@ def test_dropped_events_are_counted_and_a_snapshot_resyncs_the_watcher():
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()
         before = consumer.snapshots
         consumer.feed(pub.frames)
         if after_drop is None and consumer.steps and consumer.steps[-1].dropped:
@@ -374,6 +376,7 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()
         consumer.feed(pub.frames)
         if consumer.steps:
             truth[consumer.steps[-1].step] = vllm_truth(sched, sched._kvscope.builder.ids)
