@@ -406,3 +406,42 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
             assert st.kv.total == 47 and st.kv.used + st.kv.free == 47, "the pool less vLLM's null block"
 
     asyncio.run(run())
+
+
+def test_a_watcher_that_joins_late_gets_a_snapshot_after_the_next_step(monkeypatch):
+    """`record --connect` or `tui --connect` against a vLLM serving for a while: the publisher notices the
+    subscription and the next step is followed by a snapshot, so the watcher starts at once (not after up
+    to 256 steps)."""
+    import time
+
+    from kvscope.protocol.pubsub import Subscriber
+    from tests._helpers import free_port, wait_for
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("KVSCOPE_VLLM_PUBLISH", addr)
+    sched = build(WATCHED, num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
+    watch = sched._kvscope
+    core = Core(sched)
+    for _ in range(3):
+        core.add(list(range(1, 40)), 200)
+    for _ in range(20):  # serving, nobody watching
+        core.step()
+    assert watch.flush()
+    sub = Subscriber(addr)
+    try:
+        assert wait_for(lambda: watch.publisher.joins > 0), "the publisher saw the subscription"
+        core.step()
+        got = []
+
+        def snapshot_seen() -> bool:
+            ev = sub.recv(50)
+            if ev is not None:
+                got.append(ev)
+            return any(e.type == "snapshot" for e in got)
+
+        assert wait_for(snapshot_seen, timeout=30), "a snapshot came after the next step"
+        snap = next(e for e in got if e.type == "snapshot")
+        assert snap.step == watch.builder.step_count == 21 and len(snap.running) == 3
+    finally:
+        sub.close()
+        sched.shutdown()

@@ -76,6 +76,7 @@ class Watch:
         self._starts: dict[int, float] = {}  # id(scheduler output) -> wall time schedule() returned it
         self._preempted: set[str] = set()  # preempted by a schedule() whose step is not published yet
         self._resync = False  # the next step is followed by a snapshot read afresh from vLLM
+        self._joins = 0  # the publisher's count of subscriptions, as of the last snapshot
         self.hello = self._hello()
         self._queue: queue.SimpleQueue | None = None  # (C-level put: the cheapest hand-over on vLLM's thread)
         self._submitted = 0  # items queued (vLLM's thread writes it) ...
@@ -119,8 +120,11 @@ class Watch:
             self._submit(("step", cap))
         except Exception as e:  # noqa: BLE001
             self._fail(e)
-        # a snapshot with step S is the state after step S (docs/PROTOCOL.md): it follows the step's event
-        if self._resync or self.steps % SNAPSHOT_EVERY == 0:
+        # a snapshot with step S is the state after step S (docs/PROTOCOL.md): it follows the step's event;
+        # also after a watcher joined (`tui --connect`, `record --connect`), so it starts at once
+        joins = getattr(self.publisher, "joins", 0)
+        if self._resync or self.steps % SNAPSHOT_EVERY == 0 or joins != self._joins:
+            self._joins = joins
             try:
                 self._snapshot(t_end, full=self._resync)
                 self._submit(("hello", None))
@@ -235,7 +239,8 @@ def start_watch(sched) -> Watch | None:
     try:
         from kvscope.protocol.transport import ZmqPublisher
 
-        pub = ZmqPublisher(addr, queue_size=QUEUE_SIZE, allow_remote=os.environ.get(ENV_REMOTE) == "1")
+        pub = ZmqPublisher(addr, queue_size=QUEUE_SIZE, allow_remote=os.environ.get(ENV_REMOTE) == "1",
+                           notice_joins=True)
         try:
             watch = Watch(sched, pub)
         except Exception:

@@ -83,6 +83,12 @@ class VllmQueues(StateWidget):
         pre = m.rate("num_preemptions")
         lines.append(Text(f" preemptions/s {_num(pre)}   prompt tok/s {_num(m.rate('prompt_tokens'))}   "
                           f"generation tok/s {_num(m.rate('generation_tokens'))}"))
+        per = m.preempted()
+        if per is not None:  # vllm:request_num_preemptions, where the server has it
+            finished, total, twice = per
+            mean = f"{total / finished:.2f}" if finished else "-"
+            lines.append(Text(f" finished requests {finished:.0f}: preemptions per request {mean}, "
+                              f"preempted twice or more {twice:.0f}", style=pal.dim))
         hit = _finite(m.hit_rate())
         lines.append(Text(f" prefix-cache hit rate {fmt.pct(hit) if hit is not None else '-'}   "
                           f"(over the last {m.window_s:.0f} s)", style=pal.dim))
