@@ -41,7 +41,8 @@ class VllmHeader(StateWidget):
             t.append(f" {st.url} ", style=f"bold {pal.bad}" if err else "bold")
             t.append("● " if not err and st.metrics.last else "○ ", style=pal.bad if err else pal.ok)
         if st.kv_addr:
-            t.append(f" kv {st.kv_addr} ", style=pal.dim)
+            bound = getattr(st, "kv_bound", False) and not st.kv_addr.startswith("bind:")
+            t.append(f" kv {st.kv_addr}{' (bound here: vLLM connects)' if bound else ''} ", style=pal.dim)
         if st.metrics.last_error:
             t.append(f" {st.metrics.last_error}", style=pal.bad)
         elif st.kv.last_error:
