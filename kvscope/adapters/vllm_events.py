@@ -1,9 +1,9 @@
 """kvscope's protocol events, built from the state of vLLM's own V1 scheduler.
 
-One builder for both places vLLM's scheduler runs while kvscope watches:
-
-- inside kvscope's engine (``--scheduler vllm``, ``kvscope.engine.vllm_scheduler``), and
-- inside a real ``vllm serve`` (a subclass of vLLM's ``Scheduler`` that publishes events).
+The builder kvscope's engine uses when vLLM's scheduler decides (``--scheduler vllm``,
+``kvscope.engine.vllm_scheduler``). Inside a real ``vllm serve`` the watched scheduler
+(kvscope.adapters.vllm_watch) publishes the same events with the same meanings, split between
+vLLM's thread and its own (vllm_capture, vllm_assemble), so that a server's step pays little.
 
 It needs vLLM's scheduler object and nothing of kvscope's engine. It reads, never writes:
 ``scheduler.running``, ``scheduler.waiting`` / ``kv_holding_waiting``, ``scheduler.requests``,

@@ -6,11 +6,12 @@
 
 ``WatchedScheduler`` and ``WatchedAsyncScheduler`` subclass vLLM's ``Scheduler`` and
 ``AsyncScheduler``: every decision is vLLM's (each method calls vLLM's first and returns its
-result untouched). After ``schedule()`` and ``update_from_output()`` they turn vLLM's state into
-kvscope's protocol events with the builder ``--scheduler vllm`` uses
-(kvscope.adapters.vllm_events: request ids, queues, physical block tables as net deltas, the
-batch, prefix hits, preemptions, why the head of WAITING waits, finishes with their latencies)
-and hand them to a ZmqPublisher, which encodes and sends on its own thread.
+result untouched). After ``schedule()`` and ``update_from_output()`` they copy what the step's
+event needs (kvscope.adapters.vllm_capture) and queue it; the watch's own thread assembles the
+events (kvscope.adapters.vllm_assemble: request ids, queues, physical block tables as net deltas,
+the batch, prefix hits, preemptions, why the head of WAITING waits, finishes with their latencies,
+with the meanings of kvscope.adapters.vllm_events) and hands them to a ZmqPublisher, which
+encodes and sends on its own thread.
 
 vLLM picks ``AsyncScheduler`` when async scheduling is on (its default) and ``Scheduler`` when
 off; a ``--scheduler-cls`` replaces that choice, so ``WatchedScheduler`` makes it again: built
@@ -18,9 +19,10 @@ with async scheduling on, it is a ``WatchedAsyncScheduler``.
 
 Without ``KVSCOPE_VLLM_PUBLISH`` nothing is built: no socket, no thread, and each override is one
 attribute test around vLLM's method. With it, the watch never breaks vLLM: no exception leaves an
-override (one is counted, logged once, and the next step is a snapshot, from which a watcher
-starts afresh); the publisher's queue is bounded, a full queue drops the event and counts it (the
-next step's ``dropped``), and a drop is followed by a snapshot too. The same address binds only on
+override (one is counted, logged once, and a snapshot read afresh follows the next step, from
+which a watcher starts over); the queues are bounded, a full one drops and counts (the next step's
+``dropped``), and a drop is followed by a fresh snapshot too. A new subscriber (the socket is an
+XPUB that counts them) gets a snapshot after the next step. The same address binds only on
 loopback unless ``KVSCOPE_VLLM_ALLOW_REMOTE=1``. The stat-logger plugin (kvscope.adapters.vllm_plugin)
 stands down when the scheduler class is this one, so the two do not race for the address.
 """

@@ -63,7 +63,7 @@ def _steps(s) -> str:
 
 
 def _engine_lines(s, cfg: dict, info) -> list[str]:
-    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if k in cfg]
+    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if cfg.get(k) is not None]  # (None: not reported)
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:
         shown.append(f"(+{others} more)")
