@@ -145,9 +145,11 @@ def test_garbage_payloads_are_wire_errors(payload):
 
 
 # ---- KV events: the live view, gaps and replay -----------------------------------------------
-@pytest.mark.parametrize("legacy", [True, False])
-def test_view_recovers_batches_published_before_it_started_and_after_a_gap(legacy):
-    pub = FakeKvPublisher(legacy=legacy)
+@pytest.mark.parametrize("legacy,replay_topic", [(True, False), (False, False), (False, True)],
+                         ids=["array", "map", "map-replay-topic"])
+def test_view_recovers_batches_published_before_it_started_and_after_a_gap(legacy, replay_topic):
+    """Replay answers are `b"" | seq | payload`, or (vLLM 0.32 on) `b"" | topic | seq | payload`."""
+    pub = FakeKvPublisher(legacy=legacy, replay_topic=replay_topic)
     source = None
     try:
         # Before the view exists: a prefix 1 -> 2 -> 3, and two more continuations of 2.
@@ -155,7 +157,7 @@ def test_view_recovers_batches_published_before_it_started_and_after_a_gap(legac
         pub.publish([pub.stored([4], 2), pub.stored([8], 2)], ts=1.5)
         source = VllmSource(kv_events=pub.addr, kv_replay=pub.replay_addr).start()
         assert wait_for(lambda: source.state.kv.last_seq == 1), "replayed the batches it missed at start"
-        assert source.state.cache.cached_blocks == 5
+        assert source.state.cache.cached_blocks == 5 and source.state.kv.malformed == 0
         live_connected(pub, source)  # PUB drops messages to a joining subscriber: wait for live ones
         seq = pub.publish([pub.stored([5, 6], 4, medium="CPU")], ts=2.0)
         assert wait_for(lambda: source.state.kv.last_seq == seq)
@@ -610,3 +612,76 @@ def test_a_restarted_publisher_far_below_the_last_seq_is_followed():
     finally:
         source.close()
         pub.close()
+
+
+def _kv_port() -> str:
+    from tests._helpers import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def test_a_vllm_that_connects_its_kv_events_is_bound_to_with_bind_addr():
+    """vLLM connects its PUB when its endpoint names a host (tcp://127.0.0.1:5701): the view binds there."""
+    addr = _kv_port()
+    source = VllmSource(kv_events=f"bind:{addr}").start()
+    pub = FakeKvPublisher(legacy=False, connect_to=addr)
+    try:
+        live_connected(pub, source)
+        pub.publish([pub.stored([1, 2], None)])
+        assert wait_for(lambda: source.state.cache.cached_blocks == 2)
+        assert source.state.kv_bound and source.state.kv.last_error is None
+    finally:
+        source.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("vllm_endpoint", ["same", "wildcard", "absent"])
+def test_with_vllm_url_the_server_says_who_binds(vllm_endpoint):
+    """--vllm URL --kv-events ADDR: vLLM's /kv_event_sources names the endpoint it was given; when that is
+    ADDR and vLLM connects to it, the view binds ADDR; when vLLM binds (tcp://*:PORT) or does not say, the
+    view connects, as always."""
+    server = FakeMetricsServer()
+    if vllm_endpoint == "same":
+        addr = _kv_port()
+        server.kv_event_sources = {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": addr}}
+        pub = FakeKvPublisher(legacy=False, connect_to=addr)
+    else:
+        pub = FakeKvPublisher(legacy=False)
+        addr = pub.addr
+        if vllm_endpoint == "wildcard":
+            port = addr.rsplit(":", 1)[1]
+            server.kv_event_sources = {"0": {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}}
+    source = VllmSource(server.url, kv_events=addr, interval=0.2).start()
+    try:
+        live_connected(pub, source)
+        pub.publish([pub.stored([7], None)])
+        assert wait_for(lambda: source.state.cache.cached_blocks == 1)
+        assert source.state.kv_bound == (vllm_endpoint == "same")
+    finally:
+        source.close()
+        pub.close()
+        server.close()
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"0": {"endpoint": 5}}', b'{"0": "x"}', b"{" * 5000])
+def test_a_kv_event_sources_answer_that_makes_no_sense_leaves_the_view_connecting(body):
+    from kvscope.adapters.vllm_endpoints import vllm_connects_to
+    from kvscope.adapters.vllm_source import scrape_client
+
+    server = FakeMetricsServer()
+    server.kv_event_sources = body
+    try:
+        with scrape_client(1.0) as client:
+            assert vllm_connects_to(server.url, client, "tcp://127.0.0.1:5701") is False
+    finally:
+        server.close()
+
+
+def test_binding_a_non_loopback_address_is_refused_in_one_line():
+    source = VllmSource(kv_events="bind:tcp://10.1.2.3:5701").start()
+    try:
+        assert wait_for(lambda: source.state.kv.last_error is not None)
+        assert source.state.kv.last_error.startswith("cannot bind bind:tcp://10.1.2.3:5701")
+        assert "\n" not in source.state.kv.last_error
+    finally:
+        source.close()

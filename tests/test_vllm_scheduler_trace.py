@@ -82,3 +82,13 @@ def test_dashboard_header_names_vllms_scheduler(vllm_trace):
 
     top = asyncio.run(run()).splitlines()[0]
     assert f"vLLM {version} scheduler" in top and "chunked" not in top
+    assert "kvscope engine" in top and "39×16 blocks" in top, top
+
+
+def test_trace_info_names_the_engine_the_scheduler_and_vllms_version(vllm_trace):
+    from kvscope.traces.info import trace_info
+
+    version = TraceReader(vllm_trace).hello.config.vllm_version
+    text = trace_info(vllm_trace)
+    assert f"engine:     kvscope with vLLM {version}'s scheduler, sim backend on sim:" in text, text
+    assert f"scheduler=vllm vllm_version={version}" in text and "null_block=0" in text

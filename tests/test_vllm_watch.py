@@ -135,8 +135,11 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()  # the watch's thread has assembled and published the step
+        published = len(consumer.steps)
         consumer.feed(pub.frames)
-        if check_every_step and consumer.steps:  # from the first published step (async: one core step later)
+        # (with async scheduling the first iteration only schedules: no step is published, vLLM is mid-step)
+        if check_every_step and len(consumer.steps) > published:
             tables, queues = vllm_truth(sched, sched._kvscope.builder.ids)
             assert consumer.tables() == tables, f"step {i}: block tables differ"
             assert consumer.queues == queues, f"step {i}: queues differ"
@@ -148,16 +151,23 @@ def drive(sched, pub, *, batch_queue: int, check_every_step: bool = True, steps:
     return core, consumer, checked
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+@pytest.mark.parametrize("async_scheduling", [False, True, None], ids=["Scheduler", "AsyncScheduler", "vLLM-default"])
 def test_vllm_config_names_the_watched_class_and_vllm_builds_it(async_scheduling):
+    """vLLM's default (async_scheduling None) is resolved by VllmConfig to on, unless something forbids it; the
+    engine core then runs two batches in flight, and the watched class is an AsyncScheduler, as vLLM's own."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvscope.adapters.vllm_watch import WatchedAsyncScheduler, WatchedScheduler
 
     sched = build(WATCHED, async_scheduling=async_scheduling)
+    on = sched.vllm_config.scheduler_config.async_scheduling
+    assert on == (async_scheduling is not False)
+    assert (sched.vllm_config.max_concurrent_batches == 2) == on
     assert isinstance(sched, WatchedScheduler)
-    assert isinstance(sched, AsyncScheduler) == async_scheduling, "the same choice vLLM makes for its own class"
-    assert (type(sched) is WatchedAsyncScheduler) == async_scheduling
+    assert isinstance(sched, AsyncScheduler) == on, "the same choice vLLM makes for its own class"
+    assert (type(sched) is WatchedAsyncScheduler) == on
+    assert type(build(None, async_scheduling=async_scheduling)) is (AsyncScheduler if on else Scheduler)
     assert sched._kvscope is None, "without KVSCOPE_VLLM_PUBLISH nothing is built"
     explicit = build("kvscope.adapters.vllm_watch.WatchedAsyncScheduler", async_scheduling=True)
     assert type(explicit) is WatchedAsyncScheduler
@@ -251,6 +261,7 @@ def test_dropped_events_are_counted_and_a_snapshot_resyncs_the_watcher():
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()
         before = consumer.snapshots
         consumer.feed(pub.frames)
         if after_drop is None and consumer.steps and consumer.steps[-1].dropped:
@@ -331,6 +342,13 @@ def test_a_recording_of_the_watched_scheduler_replays_and_diagnoses(tmp_path):
     w.close()
     steps = [e for e in TraceReader(path) if isinstance(e, StepEvent)]
     assert len(steps) == sum(isinstance(e, StepEvent) for e in frames)
+    import vllm
+
+    from kvscope.traces.info import trace_info
+
+    info = trace_info(path)  # the engine, its scheduler, vLLM's version and the device vLLM ran on
+    assert f"engine:     vLLM {vllm.__version__} (its scheduler watched from inside) on cpu" in info, info
+    assert "null_block=0" in info and "num_blocks=40" in info
     d = diagnose_trace(str(path), what_if=False)
     assert d.bottleneck == "kv_capacity", d.bottleneck
     assert d.knobs and not any(k.flag.startswith(("--mode", "--num-blocks")) for k in d.knobs)
@@ -358,6 +376,7 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
         if not core.busy():
             break
         core.step()
+        sched._kvscope.flush()
         consumer.feed(pub.frames)
         if consumer.steps:
             truth[consumer.steps[-1].step] = vllm_truth(sched, sched._kvscope.builder.ids)
@@ -378,6 +397,13 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
             assert (st.running, st.waiting, st.preempted) == (running, waiting, preempted)
             assert {r: t for r, t in st.blocks.tables.items() if t} == tables
             assert app.query_one(BlockMapWidget).render()
+            from kvscope.tui.widgets.header import HeaderBar
+
+            import vllm
+
+            top = str(app.screen.query_one(HeaderBar).render()).splitlines()[0]
+            assert f"cpu · vLLM {vllm.__version__}" in top and f"vLLM {vllm.__version__} scheduler" in top, top
+            assert st.kv.total == 47 and st.kv.used + st.kv.free == 47, "the pool less vLLM's null block"
 
     asyncio.run(run())
 
@@ -406,3 +432,42 @@ def test_a_watcher_that_follows_every_delta_holds_each_later_snapshot(batch_queu
         elif isinstance(ev, StepEvent):
             follower.apply_step(ev)
     assert checked > 10
+
+
+def test_a_watcher_that_joins_late_gets_a_snapshot_after_the_next_step(monkeypatch):
+    """`record --connect` or `tui --connect` against a vLLM serving for a while: the publisher notices the
+    subscription and the next step is followed by a snapshot, so the watcher starts at once (not after up
+    to 256 steps)."""
+    import time
+
+    from kvscope.protocol.pubsub import Subscriber
+    from tests._helpers import free_port, wait_for
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("KVSCOPE_VLLM_PUBLISH", addr)
+    sched = build(WATCHED, num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
+    watch = sched._kvscope
+    core = Core(sched)
+    for _ in range(3):
+        core.add(list(range(1, 40)), 200)
+    for _ in range(20):  # serving, nobody watching
+        core.step()
+    assert watch.flush()
+    sub = Subscriber(addr)
+    try:
+        assert wait_for(lambda: watch.publisher.joins > 0), "the publisher saw the subscription"
+        core.step()
+        got = []
+
+        def snapshot_seen() -> bool:
+            ev = sub.recv(50)
+            if ev is not None:
+                got.append(ev)
+            return any(e.type == "snapshot" for e in got)
+
+        assert wait_for(snapshot_seen, timeout=30), "a snapshot came after the next step"
+        snap = next(e for e in got if e.type == "snapshot")
+        assert snap.step == watch.builder.step_count == 21 and len(snap.running) == 3
+    finally:
+        sub.close()
+        sched.shutdown()

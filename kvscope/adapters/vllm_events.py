@@ -1,9 +1,9 @@
 """kvscope's protocol events, built from the state of vLLM's own V1 scheduler.
 
-One builder for both places vLLM's scheduler runs while kvscope watches:
-
-- inside kvscope's engine (``--scheduler vllm``, ``kvscope.engine.vllm_scheduler``), and
-- inside a real ``vllm serve`` (a subclass of vLLM's ``Scheduler`` that publishes events).
+The builder kvscope's engine uses when vLLM's scheduler decides (``--scheduler vllm``,
+``kvscope.engine.vllm_scheduler``). Inside a real ``vllm serve`` the watched scheduler
+(kvscope.adapters.vllm_watch) publishes the same events with the same meanings, split between
+vLLM's thread and its own (vllm_capture, vllm_assemble), so that a server's step pays little.
 
 It needs vLLM's scheduler object and nothing of kvscope's engine. It reads, never writes:
 ``scheduler.running``, ``scheduler.waiting`` / ``kv_holding_waiting``, ``scheduler.requests``,
@@ -50,9 +50,10 @@ What each field means, from vLLM's objects:
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
-from kvscope.protocol.blockmap import BlockJournal
+from kvscope.protocol.blockmap import BlockJournal, BlockMap
 from kvscope.protocol.events import (
     BLOCKED_BUDGET,
     BLOCKED_KV,
@@ -83,28 +84,50 @@ from kvscope.protocol.events import (
     StepEvent,
 )
 
-__all__ = ["VllmEventBuilder", "RequestIds", "finish_reason"]
+__all__ = ["VllmEventBuilder", "RequestIds", "finish_reason", "usable_blocks", "table_slots"]
+
+_request_id = attrgetter("request_id")
 
 
-class RequestIds:
-    """vLLM's string request ids -> the protocol's int ids, stable for the builder's life."""
+def usable_blocks(pool: Any) -> int:
+    """Blocks of vLLM's pool that can hold KV: ``num_gpu_blocks`` less its null block (block 0), as
+    ``BlockPool.get_usage()`` counts them."""
+    return max(0, pool.num_gpu_blocks - 1)
+
+
+def table_slots(blocks: int, computed: int | None, block_size: int) -> tuple[int, int, int]:
+    """(token slots, tail waste, reserve waste) of one request's table of ``blocks`` blocks with ``computed``
+    tokens (None: unknown, counted full): the slots of the blocks its computed tokens need, less those
+    tokens, are its tail; its blocks past those are reserved ahead."""
+    cap = blocks * block_size
+    c = cap if computed is None else max(0, min(computed, cap))
+    need = -(-c // block_size)
+    return c, need * block_size - c, (blocks - need) * block_size
+
+
+class RequestIds(dict):
+    """vLLM's string request ids -> the protocol's int ids, stable for the builder's life.
+
+    A dict (``ids[vid]`` is a plain lookup once seen, so hot loops pay no Python call); a new id is
+    assigned on first sight by ``__missing__``."""
 
     def __init__(self, convert: Callable[[str], int] | None = None) -> None:
+        super().__init__()
         self._convert = convert
-        self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._next = 0
 
-    def __call__(self, rid: str) -> int:
-        got = self._ids.get(rid)
-        if got is None:
-            if self._convert is not None:
-                got = self._convert(rid)
-            else:
-                got, self._next = self._next, self._next + 1
-            self._ids[rid] = got
-            self._names[got] = rid
+    def __missing__(self, rid: str) -> int:
+        if self._convert is not None:
+            got = self._convert(rid)
+        else:
+            got, self._next = self._next, self._next + 1
+        self[rid] = got
+        self._names[got] = rid
         return got
+
+    def __call__(self, rid: str) -> int:
+        return self[rid]
 
     def name(self, rid: int) -> str:
         """The vLLM id of a protocol id seen before (its decimal string otherwise)."""
@@ -112,7 +135,7 @@ class RequestIds:
 
     def forget(self, rid: str) -> None:
         """Drop a finished request's mapping (memory stays bounded; sequential ids are never reused)."""
-        got = self._ids.pop(rid, None)
+        got = self.pop(rid, None)
         if got is not None:
             self._names.pop(got, None)
 
@@ -159,6 +182,9 @@ class VllmEventBuilder:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.step_count = 0
+        self._last_running: tuple[list[str], list[int]] = ([], [])
+        # the owner (claimer) of each block as a watcher rebuilds it from the deltas: what snapshots report
+        self._claims = BlockMap(self.pool.num_gpu_blocks, tables=False)
 
     # ---- reading vLLM's state --------------------------------------------------------
     def _manager(self) -> Any:
@@ -171,10 +197,21 @@ class VllmEventBuilder:
 
     def queues(self) -> tuple[list[int], list[int], list[int]]:
         """(running, waiting, preempted) as protocol ids, in vLLM's order."""
+        ids = self.ids
         waiting, preempted = [], []
         for r in self._waiting_requests():
-            (preempted if r.status.name == "PREEMPTED" else waiting).append(self.ids(r.request_id))
-        return [self.ids(r.request_id) for r in self.sched.running], waiting, preempted
+            (preempted if r.status.name == "PREEMPTED" else waiting).append(ids[r.request_id])
+        return self._running_ids(), waiting, preempted
+
+    def _running_ids(self) -> list[int]:
+        """RUNNING as protocol ids; the previous list again when vLLM's running list holds the same requests
+        (most steps: one C-level pass and a compare instead of a lookup per request)."""
+        now = list(map(_request_id, self.sched.running))
+        last_v, last_ids = self._last_running
+        if now != last_v:
+            last_ids = list(map(self.ids.__getitem__, now))
+            self._last_running = (now, last_ids)
+        return list(last_ids)
 
     def block_tables(self) -> dict[int, list[int]]:
         """Protocol id -> physical block ids, for every request holding blocks (null blocks left out)."""
@@ -200,23 +237,29 @@ class VllmEventBuilder:
 
     def kv_counters(self, tables: dict[int, list[int]] | None = None,
                     state: tuple[dict[int, int], set[int]] | None = None) -> KvCounters:
+        """The pool's counters by docs/PROTOCOL.md's rule: the null block is no block of the pool, so
+        ``total`` is ``num_gpu_blocks - 1`` and ``used / total`` is vLLM's own ``BlockPool.get_usage()``."""
         tables = self.block_tables() if tables is None else tables
         refs, cached = self._block_state() if state is None else state
-        bs = self.block_size
-        slots = waste = 0
+        requests, name = self.sched.requests, self.ids.name
+        slots = tail = reserve = 0
         for rid, table in tables.items():
-            req = self.sched.requests.get(self.ids.name(rid))
-            computed = min(req.num_computed_tokens, len(table) * bs) if req is not None else len(table) * bs
-            slots += computed
-            waste += len(table) * bs - computed
+            req = requests.get(name(rid))
+            s, t, r = table_slots(len(table), req.num_computed_tokens if req is not None else None, self.block_size)
+            slots += s
+            tail += t
+            reserve += r
+        total = usable_blocks(self.pool)
+        free = self.pool.get_num_free_blocks()
         return KvCounters(
-            total=self.pool.num_gpu_blocks,
-            used=len(refs),
-            free=self.pool.get_num_free_blocks(),
+            total=total,
+            used=total - free,
+            free=free,
             cached=len(cached),
             shared=sum(1 for c in refs.values() if c > 1),
             token_slots=slots,
-            tail_waste=max(0, waste),
+            tail_waste=tail,
+            reserve_waste=reserve,
             hit_tokens=self.hit_tokens,
             query_tokens=self.query_tokens,
         )
@@ -256,8 +299,10 @@ class VllmEventBuilder:
         before the step of a request scheduled for the first time (NewRequestData) or resumed."""
         found = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached_reqs = out.scheduled_cached_reqs
-        found.update((vid, n) for vid, n in zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens)
-                     if vid in cached_reqs.resumed_req_ids)
+        resumed = cached_reqs.resumed_req_ids
+        if resumed:  # (usually none: no pass over every running request)
+            found.update((vid, n) for vid, n in zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens)
+                         if vid in resumed)
         admitted = []
         for vid, cached in found.items():
             seen = self._seen.get(vid)
@@ -298,7 +343,8 @@ class VllmEventBuilder:
             mode="chunked" if sc.enable_chunked_prefill else "continuous",
             policy=str(getattr(s.policy, "value", s.policy)),
             block_size=self.block_size,
-            num_blocks=self.pool.num_gpu_blocks,
+            num_blocks=self.pool.num_gpu_blocks,  # block ids are vLLM's physical ids, 1..num_gpu_blocks - 1
+            null_block=self.pool.null_block.block_id,
             max_num_seqs=s.max_num_running_reqs,
             max_num_batched_tokens=s.max_num_scheduled_tokens,
             prefix_caching=bool(s.cache_config.enable_prefix_caching),
@@ -352,10 +398,13 @@ class VllmEventBuilder:
                                        finish_reason(req.status)))
                 del self._seen[vid]
                 self._announced.discard(vid)
+        if finished:
+            self._last_running = ([], [])  # a finished request's vLLM id may come back as a new request
         tables = self.block_tables()
         state = self._block_state()
         dropped_tables = {self.ids(v) for v in out.preempted_req_ids or ()} | {f.req for f in finished}
         alloc, freed, refs = self._deltas(tables, state, dropped_tables)
+        self._claims.apply(alloc, freed, refs)
         running, waiting, preempted = self.queues()
         event = StepEvent(
             step=self.step_count,
@@ -441,11 +490,20 @@ class VllmEventBuilder:
         """The whole state; also resets the diff base, so the next ``step()`` is relative to it."""
         tables = self.block_tables()
         refs, cached = self._block_state()
-        owner: dict[int, int] = {}
+        holders: dict[int, set[int]] = {}
         for rid, table in tables.items():
             for b in table:
-                owner.setdefault(b, rid)
-        blocks = [BlockOwner(b, owner.get(b, -1), c) for b, c in refs.items()]
+                holders.setdefault(b, set()).add(rid)
+        claims = self._claims
+        owner: dict[int, int] = {}
+        for b in refs:  # the claimer the deltas named (it stays the owner while the block is shared: the
+            # protocol's rule), else (no step since the last snapshot, or a resync) the block's first holder
+            if b < len(claims) and claims.refcount[b] > 0 and claims.owner[b] >= 0:
+                owner[b] = claims.owner[b]
+            else:
+                held = holders.get(b, ())
+                owner[b] = min(held, default=-1, key=lambda r: tables[r].index(b))
+        blocks = [BlockOwner(b, owner[b], c) for b, c in refs.items()]
         blocks += [BlockOwner(b, -1, 0) for b in cached]
         running, waiting, preempted = self.queues()
         states = []
@@ -464,6 +522,11 @@ class VllmEventBuilder:
                 cached_tokens=max(0, getattr(req, "num_cached_tokens", 0) or 0)))
         self._tables = {r: list(tb) for r, tb in tables.items()}
         self._refs, self._cached = dict(refs), set(cached)
+        claims.reset(len(claims))
+        for bo in blocks:
+            claims.owner[bo.block] = bo.req
+            claims.refcount[bo.block] = bo.refcount
+            claims.cached[bo.block] = bo.refcount <= 0
         return SnapshotEvent(step=step, t=t, requests=states, blocks=sorted(blocks, key=lambda o: o.block),
                              block_tables=tables, running=running, waiting=waiting, preempted=preempted,
                              kv=self.kv_counters(tables, (refs, cached)))

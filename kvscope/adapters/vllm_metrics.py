@@ -184,6 +184,22 @@ class MetricsView:
         h = b.counters.get("prefix_cache_hits", 0.0) - a.counters.get("prefix_cache_hits", 0.0)
         return h / q if q > 0 else None
 
+    def preempted(self) -> tuple[float, float, float] | None:
+        """vLLM's per-request preemption histogram (`vllm:request_num_preemptions`, vLLM 0.32 on) over the
+        window: (finished requests, their preemptions, those preempted more than once); None without it.
+        Its first bucket is le=1, so "at least once" is not in it: a mean per request and "twice or more" are."""
+        name = "request_num_preemptions"
+        b = self.window_buckets(name)
+        if not b:
+            return None
+        finished = b[-1][1]
+        first, last = self.scrapes[0], self.scrapes[-1]
+        total = last.counters.get(name + "_sum", 0.0) - (first.counters.get(name + "_sum", 0.0)
+                                                         if len(self.scrapes) > 1 else 0.0)
+        at_most_once = next((c for le, c in b if le >= 1.0), finished)
+        out = (finished, max(0.0, total), max(0.0, finished - at_most_once))
+        return out if all(map(math.isfinite, out)) else None
+
     def window_buckets(self, name: str) -> list[tuple[float, float]]:
         """Cumulative bucket counts added over the window (all since start with one scrape)."""
         if not self.scrapes:

@@ -38,6 +38,10 @@ KV_SCALE = 10_000  # KV blocks reported when vLLM's num_gpu_blocks is unknown (u
 PREFILL_ID, DECODE_ID, ANON_ID = -1, -2, -3  # synthetic request ids (vLLM names no request in its stats)
 RUNNING_SLOT, WAITING_SLOT = -1_000_000, -2_000_000  # running slot i is RUNNING_SLOT - i
 MAX_SLOTS = 4096  # slot ids per queue a step carries (the protocol has lists, not counts); more reads as this many
+MAX_COUNT = 1 << 40  # a token or request count past this in vLLM's stats is garbage: read as this
+MAX_TIME = 1e10  # seconds (or ms) past this in vLLM's stats are garbage: read as this
+MAX_CONFIG_INT = 1 << 40  # a config int past this is not a setting but garbage: left out of the hello
+MAX_BLOCKS = 1 << 24  # KV blocks a hello reports (16M blocks of 16 tokens: far past any GPU's KV cache)
 log = logging.getLogger("kvscope.vllm_plugin")
 
 try:  # vLLM checks that a plugin subclasses its base; without vLLM (tests, kvscope alone) any base does
@@ -47,36 +51,117 @@ except Exception:  # noqa: BLE001 - vllm absent, or a version whose module moved
 
 
 def _get(obj, *path, default=None):
+    """``obj.a.b...``, or ``default`` where a step is missing, None, or raises (vLLM's objects are not ours)."""
     for name in path:
-        obj = getattr(obj, name, None)
+        try:
+            obj = getattr(obj, name, None)
+        except Exception:  # noqa: BLE001 - a property that raises reads as missing
+            return default
         if obj is None:
             return default
     return obj
 
 
+def _int(v, hi: int = MAX_CONFIG_INT) -> int | None:
+    """A positive int a hello can carry, or None (bools, other types, out of range, a hostile __index__)."""
+    try:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return None
+        v = int(v)
+    except Exception:  # noqa: BLE001
+        return None
+    return v if 0 < v <= hi else None
+
+
+def _num(v, hi: float = 1e12) -> float:
+    """A stats number as a float in [0, hi]: 0 for NaN, negatives, non-numbers and what raises."""
+    try:
+        if not isinstance(v, (int, float)):
+            return 0.0
+        x = float(v)
+    except Exception:  # noqa: BLE001 - an int past float's range, a hostile __float__
+        return 0.0
+    return x if 0.0 <= x <= hi else (hi if x > hi else 0.0)
+
+
+def _count(v) -> int:
+    """A stats count as an int in [0, MAX_COUNT] (0 for anything that is not a number)."""
+    return int(_num(v, MAX_COUNT))
+
+
+def _items(v, limit: int = MAX_SLOTS) -> list:
+    """The first ``limit`` items of a list or tuple; [] for anything else."""
+    return list(v[:limit]) if type(v) in (list, tuple) else []
+
+
+def _str(v, limit: int = 200) -> str | None:
+    """A plain string (an enum's value), cut to ``limit``; None for anything else."""
+    try:
+        v = getattr(v, "value", v)
+        return str.__str__(v)[:limit] if isinstance(v, str) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _device(vllm_config) -> str:
+    """The device vLLM runs on (DeviceConfig.device_type: "cpu", "cuda", ...), "" when unknown."""
+    dev = _str(_get(vllm_config, "device_config", "device_type"), 64)
+    if not dev:
+        d = _get(vllm_config, "device_config", "device")
+        dev = _str(_get(d, "type")) or _str(d, 64)
+    return dev or ""
+
+
+def _version() -> str | None:
+    try:
+        import vllm
+
+        return _str(getattr(vllm, "__version__", None), 64)
+    except Exception:  # noqa: BLE001 - vllm absent (tests) or broken: the key is left out
+        return None
+
+
 def engine_info(vllm_config) -> dict:
-    """EngineInfo fields from a VllmConfig, each read defensively."""
+    """EngineInfo fields from a VllmConfig, each read defensively: an attribute that is missing, raises,
+    has another type or is out of range is left out, so nothing in vLLM's config can fail a hello."""
+    try:
+        return _engine_info(vllm_config)
+    except Exception:  # noqa: BLE001 - a config stranger than _get guards against: the engine's name only
+        return {"engine": "vllm", "backend": BACKEND}
+
+
+def _engine_info(vllm_config) -> dict:
     sched, cache = _get(vllm_config, "scheduler_config"), _get(vllm_config, "cache_config")
     model, par = _get(vllm_config, "model_config"), _get(vllm_config, "parallel_config")
-    name = _get(model, "served_model_name") or _get(model, "model") or ""
+    name = _get(model, "served_model_name") or _get(model, "model")
     if isinstance(name, (list, tuple)):  # served_model_name may list several; the first is the one reported
-        name = name[0] if name else ""
-    info = {"backend": BACKEND, "device": "cuda", "model": str(name)[:1000],
-            "mode": "chunked" if _get(sched, "enable_chunked_prefill", default=True) else "continuous",
-            "policy": str(_get(sched, "policy", default="fcfs"))}
+        name = name[0] if name else None
+    chunked = _get(sched, "enable_chunked_prefill", default=True)
+    info = {"engine": "vllm", "backend": BACKEND, "device": _device(vllm_config), "model": _str(name, 1000) or "",
+            "mode": "continuous" if chunked is False else "chunked",
+            "policy": _str(_get(sched, "policy")) or "fcfs"}
+    version = _version()
+    if version:
+        info["vllm_version"] = version
     ints = {"max_num_seqs": _get(sched, "max_num_seqs"), "max_num_batched_tokens": _get(sched, "max_num_batched_tokens"),
             "max_model_len": _get(model, "max_model_len"), "num_blocks": _get(cache, "num_gpu_blocks"),
             "block_size": _get(cache, "block_size"), "tp": _get(par, "tensor_parallel_size")}
     for k, v in ints.items():
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        v = _int(v, MAX_BLOCKS if k == "num_blocks" else MAX_CONFIG_INT)
+        if v is not None:
             info[k] = v
+    if info.get("num_blocks", 0) >= 2:
+        info["null_block"] = 0  # vLLM's block 0 holds no KV (BlockPool.get_usage counts num_gpu_blocks - 1)
+    else:
+        info.pop("num_blocks", None)
     gmu = _get(cache, "gpu_memory_utilization")
-    if isinstance(gmu, float):
+    if type(gmu) is float and 0.0 < gmu <= 1.0:
         info["gpu_memory_utilization"] = gmu
-    if isinstance(_get(cache, "enable_prefix_caching"), bool):
-        info["prefix_caching"] = cache.enable_prefix_caching
-    dtype = _get(cache, "cache_dtype")
-    if isinstance(dtype, str):
+    caching = _get(cache, "enable_prefix_caching")
+    if type(caching) is bool:
+        info["prefix_caching"] = caching
+    dtype = _str(_get(cache, "cache_dtype"), 64)
+    if dtype:
         info["kv_cache_dtype"] = dtype
     return info
 
@@ -84,7 +169,9 @@ def engine_info(vllm_config) -> dict:
 def _watched(vllm_config) -> bool:
     """Is vLLM's scheduler kvscope's watched one (kvscope.adapters.vllm_watch)? It then publishes on the address."""
     cls = _get(vllm_config, "scheduler_config", "scheduler_cls")
-    name = cls if isinstance(cls, str) else f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
+    name = _str(cls)
+    if name is None:
+        name = f"{_str(_get(cls, '__module__')) or ''}.{_str(_get(cls, '__qualname__')) or ''}"
     return name.startswith("kvscope.adapters.vllm_watch.")
 
 
@@ -101,7 +188,9 @@ class StepMaker:
         self.next_req = 0
         self.last_t: float | None = None
         self.budget = int(info.get("max_num_batched_tokens") or 0)
-        self.blocks = int(info.get("num_blocks") or KV_SCALE)
+        # kv.total: the blocks that hold KV (vLLM's null block is no block of the pool), so used / total is
+        # vLLM's own kv_cache_usage
+        self.blocks = int(info["num_blocks"]) - ("null_block" in info) if info.get("num_blocks") else KV_SCALE
         self.max_seqs = info.get("max_num_seqs")
         self._run_ids = [RUNNING_SLOT - i for i in range(MAX_SLOTS)]  # sliced per step: no per-step loop
         self._wait_ids = [WAITING_SLOT - i for i in range(MAX_SLOTS)]
@@ -109,44 +198,42 @@ class StepMaker:
     def events(self, sched, it, dropped: int = 0) -> list:
         from kvscope.protocol import events as E
 
-        now = float(_get(it, "iteration_timestamp", default=None) or time.time())
+        now = _num(_get(it, "iteration_timestamp"), MAX_TIME) or time.time()
         t = max(0.0, now - self.wall_start)
         details = _get(sched, "iteration_details")
         if details is not None:
-            prefill = int(_get(details, "num_ctx_tokens", default=0))
-            decode = int(_get(details, "num_generation_tokens", default=0))
+            prefill = _count(_get(details, "num_ctx_tokens"))
+            decode = _count(_get(details, "num_generation_tokens"))
         else:
-            prefill = int(_get(it, "prompt_token_stats", "computed", default=None)
-                          or _get(it, "num_prompt_tokens", default=0) or 0)
-            decode = max(0, int(_get(it, "num_generation_tokens", default=0))
-                         - len(_get(it, "time_to_first_tokens_iter", default=()) or ()))
-        elapsed = _get(details, "elapsed_ms")
-        dur = float(elapsed) / 1000 if isinstance(elapsed, (int, float)) and elapsed > 0 else \
-            (t - self.last_t if self.last_t is not None and t > self.last_t else 0.0)
+            prefill = _count(_get(it, "prompt_token_stats", "computed")) or _count(_get(it, "num_prompt_tokens"))
+            decode = max(0, _count(_get(it, "num_generation_tokens"))
+                         - len(_items(_get(it, "time_to_first_tokens_iter"))))
+        elapsed = _num(_get(details, "elapsed_ms"), MAX_TIME)
+        dur = elapsed / 1000 if elapsed > 0 else (t - self.last_t if self.last_t is not None and t > self.last_t else 0.0)
         self.last_t = t
-        running = min(MAX_SLOTS, int(_get(sched, "num_running_reqs", default=0)))
-        waiting = min(MAX_SLOTS, int(_get(sched, "num_waiting_reqs", default=0))
-                      + int(_get(sched, "num_skipped_waiting_reqs", default=0)))
-        usage = float(_get(sched, "kv_cache_usage", default=0.0))
-        preempted = int(_get(it, "num_preempted_reqs", default=0))
+        running = min(MAX_SLOTS, _count(_get(sched, "num_running_reqs")))
+        waiting = min(MAX_SLOTS, _count(_get(sched, "num_waiting_reqs")) + _count(_get(sched, "num_skipped_waiting_reqs")))
+        usage = min(1.0, _num(_get(sched, "kv_cache_usage")))
+        preempted = _count(_get(it, "num_preempted_reqs"))
         out: list = []
-        run_ids = self._run_ids[:max(0, running)]
-        wait_ids = self._wait_ids[:max(0, waiting)]
-        used = min(self.blocks, max(0, round(usage * self.blocks)))
+        run_ids = self._run_ids[:running]
+        wait_ids = self._wait_ids[:waiting]
+        used = min(self.blocks, round(usage * self.blocks))
         kv = E.KvCounters(total=self.blocks, used=used, free=self.blocks - used)
         if self.step % SNAPSHOT_EVERY == 0:  # as a kvscope engine does: a snapshot, then its hello
             out += [E.SnapshotEvent(self.step, t, running=run_ids, waiting=wait_ids, kv=kv), self.hello]
         self.step += 1
         finished = []
-        for f in _get(it, "finished_requests", default=()) or ():
+        for f in _items(_get(it, "finished_requests")):
             req = self.next_req
             self.next_req += 1
-            e2e = max(0.0, float(_get(f, "e2e_latency", default=0.0)))
-            ttft = max(0.0, min(e2e, e2e - float(_get(f, "decode_time", default=0.0))))
-            gen = max(0, int(_get(f, "num_generation_tokens", default=0)))
-            out.append(E.RequestEvent(req, max(0, int(_get(f, "num_prompt_tokens", default=0))),
-                                      int(_get(f, "max_tokens_param", default=None) or gen), 0, max(0.0, t - e2e)))
-            reason = str(getattr(_get(f, "finish_reason"), "name", _get(f, "finish_reason")) or "stop").lower()
+            e2e = _num(_get(f, "e2e_latency"), MAX_TIME)
+            ttft = max(0.0, min(e2e, e2e - _num(_get(f, "decode_time"), MAX_TIME)))
+            gen = _count(_get(f, "num_generation_tokens"))
+            out.append(E.RequestEvent(req, _count(_get(f, "num_prompt_tokens")),
+                                      _count(_get(f, "max_tokens_param")) or gen, 0, max(0.0, t - e2e)))
+            fr = _get(f, "finish_reason")
+            reason = (_str(_get(fr, "name"), 32) or _str(fr, 32) or "stop").lower()
             finished.append(E.Finish(req, ttft, e2e, gen, reason))
         batch = [E.BatchEntry(PREFILL_ID, E.PREFILL, prefill, 0)] if prefill else []
         if decode:
@@ -156,16 +243,15 @@ class StepMaker:
             admission = E.Admission(E.VERDICT_BLOCKED, self._reason(usage, preempted, running, prefill + decode))
         elif batch:
             admission = E.Admission(E.VERDICT_ADMITTED)
+        ttfts = _items(_get(it, "time_to_first_tokens_iter"))
         out.append(E.StepEvent(
             step=self.step, t=t, dur=dur, budget=self.budget, batch=batch,
             running=run_ids, waiting=wait_ids, admission=admission,
             preemptions=[E.Preemption(ANON_ID, E.BLOCKED_KV, "recompute") for _ in range(min(preempted, MAX_SLOTS))],
-            sampled=[DECODE_ID] * min(MAX_SLOTS, decode + len(_get(it, "time_to_first_tokens_iter", default=()) or ())),
-            first_tokens=[E.FirstToken(ANON_ID, max(0.0, float(x)))
-                          for x in _get(it, "time_to_first_tokens_iter", default=()) or ()],
+            sampled=[DECODE_ID] * min(MAX_SLOTS, decode + len(ttfts)),
+            first_tokens=[E.FirstToken(ANON_ID, _num(x, MAX_TIME)) for x in ttfts],
             finished=finished,
-            itl=[E.ItlSample(DECODE_ID, max(0.0, float(x)))
-                 for x in _get(it, "inter_token_latencies_iter", default=()) or ()],
+            itl=[E.ItlSample(DECODE_ID, _num(x, MAX_TIME)) for x in _items(_get(it, "inter_token_latencies_iter"))],
             kv=kv, dropped=dropped))
         return out
 
@@ -190,7 +276,7 @@ class KvscopeStatLogger(_Base):
     encodes and sends). A full queue drops the step and counts it."""
 
     def __init__(self, vllm_config=None, engine_index: int = 0) -> None:
-        self.engine_index = engine_index
+        self.engine_index = engine_index if type(engine_index) is int else 0
         self.addr = os.environ.get(ENV_ADDR, "").strip() or None
         self.publisher = None
         self.maker: StepMaker | None = None
@@ -201,33 +287,50 @@ class KvscopeStatLogger(_Base):
         self._unsent_drops = 0  # ... not yet reported in a step's `dropped`
         self._queue = None
         self._thread = None
-        if self.addr is not None and _watched(vllm_config):
-            log.info("kvscope: the scheduler class publishes vLLM's steps on %s; the stat logger stands down", self.addr)
-            self.addr = None
         if self.addr is None:
             return  # disabled: no socket, no thread, record() returns at once
         try:
-            import queue
-            import threading
-
-            from kvscope.protocol.transport import ZmqPublisher
-
-            self.maker = StepMaker(engine_info(vllm_config), time.time())
-            self.publisher = ZmqPublisher(self.addr, queue_size=QUEUE_SIZE,
-                                          allow_remote=os.environ.get(ENV_REMOTE) == "1")
-            self._queue = queue.Queue(maxsize=QUEUE_SIZE)
-            self._thread = threading.Thread(target=self._run, name="kvscope-vllm-plugin", daemon=True)
-            self._thread.start()
-            log.info("kvscope: publishing vLLM engine %d steps on %s", engine_index, self.publisher.addr)
-        except Exception as e:  # noqa: BLE001 - a bad address must not stop vLLM from serving
+            self._start(vllm_config)
+        except Exception as e:  # noqa: BLE001 - a bad address or a strange config must not stop vLLM from serving
             self._fail(e)
-            self.publisher = None
+            self._stop_publisher()
+            self._queue = None
+
+    def _start(self, vllm_config) -> None:
+        import queue
+        import threading
+
+        from kvscope.protocol.transport import ZmqPublisher
+
+        if _watched(vllm_config):
+            log.info("kvscope: the scheduler class publishes vLLM's steps on %s; the stat logger stands down", self.addr)
+            self.addr = None
+            return
+        self.maker = StepMaker(engine_info(vllm_config), time.time())
+        self.publisher = ZmqPublisher(self.addr, queue_size=QUEUE_SIZE, allow_remote=os.environ.get(ENV_REMOTE) == "1")
+        q = queue.Queue(maxsize=QUEUE_SIZE)
+        thread = threading.Thread(target=self._run, args=(q,), name="kvscope-vllm-plugin", daemon=True)
+        thread.start()
+        self._queue, self._thread = q, thread
+        log.info("kvscope: publishing vLLM engine %d steps on %s", self.engine_index, self.publisher.addr)
+
+    def _stop_publisher(self) -> None:
+        pub, self.publisher = self.publisher, None
+        if pub is not None:
+            try:
+                pub.close()
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
         self.errors += 1
+        try:
+            text = f"{type(e).__name__}: {e}"[:500]
+        except Exception:  # noqa: BLE001 - an exception whose message itself raises
+            text = type(e).__name__[:500]
         if self.last_error is None:
-            log.warning("kvscope: stat logger skipped a step: %s: %s", type(e).__name__, e)
-        self.last_error = f"{type(e).__name__}: {e}"[:500]
+            log.warning("kvscope: stat logger skipped a step: %s", text)
+        self.last_error = text
 
     def record(self, scheduler_stats=None, iteration_stats=None, mm_cache_stats=None, engine_idx: int = 0) -> None:
         q = self._queue
@@ -239,8 +342,7 @@ class KvscopeStatLogger(_Base):
             self.dropped += 1
             self._unsent_drops += 1
 
-    def _run(self) -> None:
-        q = self._queue
+    def _run(self, q) -> None:
         while True:
             item = q.get()
             try:
@@ -286,9 +388,4 @@ class KvscopeStatLogger(_Base):
             except Exception:  # noqa: BLE001
                 pass
             self._thread.join(timeout=5.0)
-        if self.publisher is not None:
-            try:
-                self.publisher.close()
-            except Exception as e:  # noqa: BLE001
-                self._fail(e)
-            self.publisher = None
+        self._stop_publisher()

@@ -173,11 +173,12 @@ class VllmKvPublisher:
             with self._lock:
                 todo = [(s, p) for s, p in self._buffer if s >= first]
             self.replay_sends += 1
+            # as vLLM answers (vllm/distributed/kv_events.py _service_replay): topic | seq | payload, as on the PUB
             for seq, payload in todo:
-                if not self._send_replay(router, [client, b"", encode_seq(seq), payload]):
+                if not self._send_replay(router, [client, b"", self.topic, encode_seq(seq), payload]):
                     break  # the client is gone or stopped reading: what it lacks shows as a hole in its seqs
             else:
-                self._send_replay(router, [client, b"", encode_seq(END_SEQ), b""])
+                self._send_replay(router, [client, b"", b"", encode_seq(END_SEQ), b""])
 
     def _send_replay(self, router, frames: list[bytes]) -> bool:
         """Send one replay frame set with backpressure: wait for room in the client's queue (never drop),

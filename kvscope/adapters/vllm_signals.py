@@ -58,6 +58,7 @@ S_PREFILL, S_DECODE = "vllm:request_prefill_time_seconds", "vllm:request_decode_
 S_PROMPT, S_GEN = "vllm:prompt_tokens", "vllm:generation_tokens"
 S_PROMPT_LEN, S_GEN_LEN = "vllm:request_prompt_tokens", "vllm:request_generation_tokens"
 S_SUCCESS, S_CACHE_INFO = "vllm:request_success", "vllm:cache_config_info"
+S_REQ_PREEMPT = "vllm:request_num_preemptions"
 S_HITS, S_QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 
 
@@ -294,6 +295,9 @@ def read(scrapes: list[Scrape], flags: VllmFlags | None = None, cache=None) -> R
     e2e_count = _count(_delta_buckets(first, last, "e2e_request_latency_seconds"))
     requests = int(max(requests, e2e_count))
     preempt = int(round(_dc(first, last, "num_preemptions")))
+    # vLLM 0.32 on: each finished request's own preemption count (a histogram): an exact mean per request
+    per_req = _count(_delta_buckets(first, last, "request_num_preemptions"))
+    per_req_mean = _dc(first, last, "request_num_preemptions_sum") / per_req if per_req else None
     span = float(last.t - first.t) if len(scrapes) > 1 else 0.0
     ttft_b = _delta_buckets(first, last, "time_to_first_token_seconds")
     itl_name = "inter_token_latency_seconds" if "inter_token_latency_seconds" in last.buckets else \
@@ -330,7 +334,8 @@ def read(scrapes: list[Scrape], flags: VllmFlags | None = None, cache=None) -> R
         blocked_static=0.0,
         queued_frac=frac(waiting > 0), mean_queued=float(waiting[busy].mean()) if nb else 0.0,
         preemptions_kv=preempt, preemptions_priority=0,
-        preempted_per_request=preempt / max(1, requests), recompute_frac=0.0,
+        preempted_per_request=per_req_mean if per_req_mean is not None else preempt / max(1, requests),
+        recompute_frac=0.0,
         kv_use_p90=float(np.percentile(kv[busy], 90)) if nb else 0.0,
         kv_use_mean=float(kv[busy].mean()) if nb else 0.0,
         running_mean=float(running[busy].mean()) / seqs if nb and seqs else 0.0,
@@ -422,6 +427,10 @@ def _evidence(s: Signals, cfg: dict, facts: VllmFacts, pinned, busy, mean_tok, b
             f"{round(1 / V.PREEMPT_PER_REQ_MIN)})", f"{S_PREEMPT}, {S_SUCCESS}"),
         _ev("kv_use_p90", round(s.kv_use_p90, 3), ">=", KV_FULL, f"KV cache {_pct(s.kv_use_p90)} used at p90", S_KV),
     ]
+    if S_REQ_PREEMPT in facts.series:
+        kv.append(_ev("preempted_per_request", round(s.preempted_per_request, 3), None, None,
+                      f"{s.preempted_per_request:.2f} preemptions per finished request (each request's own count)",
+                      S_REQ_PREEMPT))
     if churn is not None:
         kv.append(_ev("kv_churn", round(churn, 3), ">=", None,
                       f"{facts.kv_blocks_removed:,} blocks evicted for {facts.kv_blocks_stored:,} stored "

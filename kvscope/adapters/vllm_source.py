@@ -91,6 +91,7 @@ class VllmState:
     kv: KvStats = field(default_factory=KvStats)
     version: int = 0
     replay: ReplayPosition | None = None  # set when this is a recorded run played back
+    kv_bound: bool = False  # the KV-event socket is bound here (vLLM connects to it), not connected
 
     def copy(self) -> "VllmState":
         """What the screen draws, copied under the source's lock while the threads keep writing."""
@@ -195,27 +196,56 @@ class VllmSource:
                 self._stop.wait(self.interval)
 
     # -- KV events ------------------------------------------------------------------
-    def _socket(self, kind: int, addr: str):
+    def _socket(self, kind: int, addr: str, bind: bool = False):
         import zmq
 
         sock = zmq.Context.instance().socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+        try:
+            (sock.bind if bind else sock.connect)(addr)
+        except Exception:
+            sock.close(0)
+            raise
         return sock
+
+    def _kv_mode(self) -> tuple[bool, str]:
+        """(bind, address) of the KV-event socket: ``bind:ADDR``, or an address the server at --vllm URL
+        says its publisher connects to (vllm_endpoints), is bound; any other is connected to."""
+        from kvscope.adapters.vllm_endpoints import split_mode, vllm_connects_to
+
+        bind, addr = split_mode(self.state.kv_addr)
+        if not bind and self.url:
+            with scrape_client(self.interval) as client:
+                bind = vllm_connects_to(self.url, client, addr)
+        if bind:
+            from kvscope.protocol.pubsub import check_bind_address
+
+            try:
+                check_bind_address(addr)  # loopback only: a KV view never opens a port to the network
+            except ValueError:
+                raise ValueError("a KV view binds loopback only (give vLLM a 127.0.0.1 endpoint)") from None
+        with self.lock:
+            self.state.kv_bound = bind
+        return bind, addr
 
     def _subscribe(self) -> None:
         import zmq
 
         from kvscope.protocol.pubsub import redial_if_dropped
 
+        from kvscope.adapters.vllm_endpoints import split_mode
+
+        bind, addr = split_mode(self.state.kv_addr)
         try:
-            sub = self._socket(zmq.SUB, self.state.kv_addr)
+            bind, addr = self._kv_mode()
+            sub = self._socket(zmq.SUB, addr, bind)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-        except zmq.ZMQError as e:
+        except Exception as e:  # zmq.ZMQError, or an address refused for binding
             with self.lock:
-                self.state.kv.last_error = f"cannot connect {self.state.kv_addr}: {e}"
+                self.state.kv.last_error = f"cannot {'bind' if bind else 'connect'} {self.state.kv_addr}: " \
+                                           f"{str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
             return
         # one message over MAXMSGSIZE would leave the view deaf to that publisher for good: the monitor
         # tells of each disconnection, and redial_if_dropped connects afresh (counted)
@@ -228,7 +258,8 @@ class VllmSource:
                     self.handle_frames(sub.recv_multipart())
                     continue
                 # nothing left to read: a redial now loses none of what the publisher sent before it went
-                if redial_if_dropped(sub, monitor, self.state.kv_addr):
+                # (a bound socket has nothing to redial: vLLM's side reconnects)
+                if not bind and redial_if_dropped(sub, monitor, addr):
                     with self.lock:
                         self.state.kv.reconnects += 1
         finally:
@@ -320,6 +351,8 @@ class VllmSource:
                     continue
                 frames = dealer.recv_multipart()
                 if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 3:  # vLLM 0.32 on answers topic | seq | payload, as its PUB sends
                     frames = frames[1:]
                 if len(frames) != 2:
                     with self.lock:

@@ -23,7 +23,8 @@ class Record(Command):
         p.add_argument("--control", default=None, metavar="ADDR", help=f"its control socket (default "
                        f"{DEFAULT_CONTROL_ADDR}); an empty string for none")
         p.add_argument("--vllm", metavar="URL", help="record a vLLM instead: poll URL/metrics (docs/VLLM.md)")
-        p.add_argument("--kv-events", metavar="ADDR", help="vLLM's KV-event PUB socket")
+        p.add_argument("--kv-events", metavar="ADDR", help="vLLM's KV-event PUB socket (bind:ADDR where vLLM "
+                       "connects to ADDR; with --vllm found by itself)")
         p.add_argument("--kv-replay", metavar="ADDR", help="vLLM's KV-event replay ROUTER socket")
         p.add_argument("--interval", type=float_type(positive=True), default=1.0, metavar="S",
                        help="--vllm: seconds between scrapes")
@@ -62,7 +63,8 @@ def _record_vllm(args: argparse.Namespace) -> int:
         check_url("--vllm", args.vllm)
     if args.kv_replay and not args.kv_events:
         raise UsageError("--kv-replay goes with --kv-events")
-    for flag, addr in (("--kv-events", args.kv_events), ("--kv-replay", args.kv_replay)):
+    for flag, addr in (("--kv-events", args.kv_events and args.kv_events.removeprefix("bind:")),
+                       ("--kv-replay", args.kv_replay)):
         if addr and not addr.startswith(("tcp://", "ipc://")):
             raise UsageError(f"{flag} {addr}: expected tcp://HOST:PORT or ipc://PATH")
     with StopSignals() as signals:

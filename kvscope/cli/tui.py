@@ -27,7 +27,8 @@ class Tui(Command):
         p.add_argument("--vllm", action="append", metavar="URL",
                        help="a vLLM server: poll URL/metrics (docs/VLLM.md); repeat for an overview")
         p.add_argument("--kv-events", action="append", metavar="ADDR",
-                       help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557; once per --vllm")
+                       help="vLLM's KV-event PUB socket, e.g. tcp://127.0.0.1:5557 (bind:ADDR where vLLM connects "
+                            "to ADDR; with --vllm found by itself); once per --vllm")
         p.add_argument("--kv-replay", action="append", metavar="ADDR",
                        help="vLLM's KV-event replay ROUTER socket; once per --kv-events")
         p.add_argument("--interval", type=float_type(positive=True), default=1.0, metavar="S",

@@ -133,10 +133,12 @@ class LLMEngine:
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
         if config.get("quantization") is None:  # dequantized weights: the key is left out
             config.pop("quantization", None)
+        config["engine"] = "kvscope"
         if config.get("scheduler") == "vllm":
             from kvscope.adapters.vllm_core import vllm_version
 
             config["vllm_version"] = vllm_version()
+            config["null_block"] = 0  # vLLM's block 0 holds no KV: kv.total is num_blocks - 1
         config = self.backend.hello_config(config)
         config.update(self.hello_extra)
         # in the order hello.config goes on the wire (docs/PROTOCOL.md)

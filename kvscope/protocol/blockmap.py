@@ -37,7 +37,7 @@ class BlockJournal:
     ``take()`` once per step returns the lists and resets the journal.
     """
 
-    __slots__ = ("_start", "_now", "_appends", "_refs", "_ref_logged")
+    __slots__ = ("_start", "_now", "_appends", "_refs", "_ref_logged", "_cached")
 
     def __init__(self) -> None:
         self._start: dict[int, object] = {}  # block -> None (free) / _OWNED, at step start
@@ -45,11 +45,13 @@ class BlockJournal:
         self._appends: list[tuple[int, int]] = []  # (block, req) added to a live table, in order
         self._refs: list[tuple[int, int]] = []  # (block, refcount), in order
         self._ref_logged: set[int] = set()
+        self._cached: set[int] = set()  # blocks whose last call left them cached (a count of 0)
 
     def alloc(self, block: int, req: int) -> None:
         if block not in self._start:
             self._start[block] = None
         self._now[block] = req
+        self._cached.discard(block)
         self._appends.append((block, req))
         if block in self._ref_logged:
             self.ref(block, 1)  # supersedes an earlier count of this step
@@ -61,11 +63,16 @@ class BlockJournal:
     def ref(self, block: int, count: int) -> None:
         self._refs.append((block, count))
         self._ref_logged.add(block)
+        if count > 0:
+            self._cached.discard(block)
+        else:
+            self._cached.add(block)
 
     def free(self, block: int) -> None:
         if block not in self._start:
             self._start[block] = _OWNED
         self._now[block] = None
+        self._cached.discard(block)
 
     def drop(self, req: int) -> None:
         if any(r == req for _, r in self._appends):
@@ -77,13 +84,17 @@ class BlockJournal:
         ``freed`` is in first-touch order; ``alloc`` in the order the blocks joined
         tables, so a request's new blocks appear in its block-table order.
         """
-        freed = [b for b, start in self._start.items() if start is not None]
         alloc, refs = self._appends, self._refs
+        # a block freed (evicted), handed to a request that ended within the step and left cached again is
+        # cached at the end: not freed, so its refs entry of 0 stands
+        back = self._cached.difference(b for b, _ in alloc) if self._cached else ()
+        freed = [b for b, start in self._start.items() if start is not None and b not in back]
         self._start = {}
         self._now = {}
         self._appends = []
         self._refs = []
         self._ref_logged = set()
+        self._cached = set()
         return alloc, freed, refs
 
 

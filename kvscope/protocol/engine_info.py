@@ -93,9 +93,11 @@ class EngineInfo(Struct, kw_only=True):
     mode: Name = ""  # naive, static, continuous, chunked
     policy: Text = ""
     scheduler: Name | UnsetType = UNSET  # "kvscope", or "vllm": vLLM's own V1 scheduler decides (--scheduler vllm)
-    vllm_version: Name | UnsetType = UNSET  # with scheduler "vllm": the vLLM whose scheduler ran
+    vllm_version: Name | UnsetType = UNSET  # the vLLM whose scheduler ran (scheduler "vllm"), or the vLLM watched
+    engine: Name | UnsetType = UNSET  # "kvscope" or "vllm": whose engine loop ran (absent: see engine_name())
     block_size: PositiveInt = 16
-    num_blocks: Count | None = None
+    num_blocks: Count | None = None  # block ids are in [0, num_blocks)
+    null_block: Count | UnsetType = UNSET  # an id that never holds KV and is never listed (vLLM's block 0)
     max_num_seqs: Count | None = None
     max_num_batched_tokens: Count | None = None
     max_model_len: Count | None = None
@@ -137,8 +139,10 @@ WIRE_KEYS: tuple[tuple[str, str | None, str], ...] = (
     ("policy", None, "policy"),
     ("scheduler", None, "scheduler"),
     ("vllm_version", None, "vllm_version"),
+    ("engine", None, "engine"),
     ("block_size", None, "block_size"),
     ("num_blocks", None, "num_blocks"),
+    ("null_block", None, "null_block"),
     ("max_num_seqs", None, "max_num_seqs"),
     ("max_num_batched_tokens", None, "max_num_batched_tokens"),
     ("max_model_len", None, "max_model_len"),
@@ -220,6 +224,48 @@ def to_wire(info: EngineInfo) -> dict:
         if value is not UNSET:
             out[key] = value
     return out
+
+
+VLLM_BACKENDS = ("vllm", "vllm-scheduler", "vllm-plugin")  # a real vLLM: recorded from outside, its scheduler, its stats
+
+
+def engine_name(info: EngineInfo) -> str:
+    """Whose engine loop ran: the ``engine`` key, or for a stream from before it, what the backend implies."""
+    if isinstance(info.engine, str) and info.engine:
+        return info.engine
+    return "vllm" if info.backend in VLLM_BACKENDS else ("kvscope" if info.backend else "")
+
+
+_VLLM_HOW = {"vllm-scheduler": "its scheduler watched from inside", "vllm-plugin": "its stat logger",
+             "vllm": "watched from outside"}
+
+
+def engine_label(info: EngineInfo) -> str:
+    """One line naming the engine, the scheduler that decided, vLLM's version and the device, e.g.
+    ``vLLM 0.32.0 (its scheduler watched from inside) on cpu`` or ``kvscope with vLLM 0.33.0's scheduler on cpu``."""
+    version = info.vllm_version if isinstance(info.vllm_version, str) and info.vllm_version else ""
+    vllm = f"vLLM {version}" if version else "vLLM"
+    engine = engine_name(info)
+    if engine == "vllm":
+        how = _VLLM_HOW.get(info.backend, "")
+        head = f"{vllm} ({how})" if how else vllm
+    elif engine == "kvscope":
+        if info.scheduler == "vllm":
+            head = f"kvscope with {vllm}'s scheduler"
+        else:
+            head = "kvscope" + (f" ({info.mode} scheduling)" if info.mode else "")
+        if info.backend == "sim":
+            head += ", sim backend"
+    else:
+        head = "engine not named"
+    return head + (f" on {info.device}" if info.device else "")
+
+
+def usable_blocks(info: EngineInfo) -> int | None:
+    """Blocks that can hold KV (``kv.total``): ``num_blocks`` less the null block, if any; None if unknown."""
+    if info.num_blocks is None:
+        return None
+    return max(0, info.num_blocks - (0 if info.null_block is UNSET else 1))
 
 
 def engine_info(config: dict | EngineInfo) -> EngineInfo:

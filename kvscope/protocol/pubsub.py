@@ -123,10 +123,17 @@ class ZmqPublisher:
         allow_remote: bool = False,
         count_drops: bool = True,
         heartbeat_s: float | None = None,
+        notice_joins: bool = False,
     ):
         check_bind_address(addr, allow_remote)
         zmq = zmq_module()
-        self._sock = _context().socket(zmq.PUB)
+        # notice_joins: an XPUB socket, which hands the publisher each subscription (XPUB_VERBOSE: every one,
+        # not only a topic's first), counted in `joins`, so the engine can send a newcomer a snapshot
+        self._sock = _context().socket(zmq.XPUB if notice_joins else zmq.PUB)
+        if notice_joins:
+            self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._notice_joins = notice_joins
+        self.joins = 0  # subscriptions seen (the publisher's thread writes it)
         self._sock.setsockopt(zmq.SNDHWM, max(1, int(hwm)))
         self._sock.setsockopt(zmq.LINGER, 0)
         if count_drops:
@@ -186,6 +193,8 @@ class ZmqPublisher:
         while True:
             if self._closing.is_set() and (q.empty() or time.monotonic() > self._deadline):
                 break
+            if self._notice_joins:
+                self._read_joins(sock, zmq)
             try:
                 ev = q.get(timeout=0.05)
             except queue.Empty:
@@ -219,6 +228,16 @@ class ZmqPublisher:
             except queue.Empty:
                 break
         self._add_dropped(left)
+
+    def _read_joins(self, sock, zmq) -> None:
+        """Count the subscriptions the XPUB socket has handed over (a frame starting with byte 1)."""
+        for _ in range(64):  # bounded: a flood of (re)subscriptions cannot hold the sender
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            if frame[:1] == b"\x01":
+                self.joins += 1
 
     def close(self, linger: float = 0.5) -> None:
         """Stop the thread after flushing the queue for at most ``linger`` seconds."""

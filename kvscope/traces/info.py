@@ -5,13 +5,14 @@ from __future__ import annotations
 import datetime as _dt
 import os
 
+from ..protocol.engine_info import engine_label
 from ..protocol.events import VllmKvEvent, VllmMetricsEvent
 from .reader import TraceReader
 
 __all__ = ["trace_info"]
 
-_CONFIG_KEYS = ("model", "backend", "device", "mode", "policy", "block_size", "num_blocks",
-                "max_num_seqs", "max_num_batched_tokens", "workload", "seed")
+_CONFIG_KEYS = ("model", "backend", "device", "mode", "policy", "scheduler", "vllm_version", "block_size",
+                "num_blocks", "null_block", "max_num_seqs", "max_num_batched_tokens", "workload", "seed")
 
 
 def _fmt_t(t: float | None) -> str:
@@ -47,7 +48,8 @@ def trace_info(path: str | os.PathLike, *, verify: bool = True) -> str:
         + ("" if verify else " (index trusted: chunks not checked)"),
         f"started:    {started}",
     ]
-    lines += _engine_lines(s, cfg) if vllm is None else _vllm_lines(s, cfg, vllm if verify else None)
+    lines += _engine_lines(s, cfg, r.hello.config) if vllm is None else \
+        _vllm_lines(s, cfg, r.hello.config, vllm if verify else None)
     if s.warnings:
         lines.append(f"warnings:   {len(s.warnings)}")
         lines.extend(f"  - {w}" for w in s.warnings)
@@ -60,8 +62,8 @@ def _steps(s) -> str:
     return f"{s.steps}" + (f" ({s.first_step}..{s.last_step})" if s.first_step is not None else "")
 
 
-def _engine_lines(s, cfg: dict) -> list[str]:
-    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if k in cfg]
+def _engine_lines(s, cfg: dict, info) -> list[str]:
+    shown = [f"{k}={_short(cfg[k])}" for k in _CONFIG_KEYS if cfg.get(k) is not None]  # (None: not reported)
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:
         shown.append(f"(+{others} more)")
@@ -69,7 +71,8 @@ def _engine_lines(s, cfg: dict) -> list[str]:
 
     slo = slo_of_flat(cfg)
     return [
-        f"engine:     {' '.join(shown) if shown else '(no config)'}",
+        f"engine:     {_short(engine_label(info), 120)}",
+        f"config:     {' '.join(shown) if shown else '(no config)'}",
         *([f"SLO:        {slo.describe()} (replay, report and diagnose judge goodput by it; --slo overrides)"]
           if slo else []),
         f"steps:      {_steps(s)}",
@@ -95,11 +98,12 @@ class _VllmCounts:
             self.replayed += ev.replayed
 
 
-def _vllm_lines(s, cfg: dict, counts: _VllmCounts | None) -> list[str]:
+def _vllm_lines(s, cfg: dict, info, counts: _VllmCounts | None) -> list[str]:
     """A recorded vLLM (`kvscope record --vllm`): what was watched, and its scrapes and KV batches."""
     watched = [f"{k.removeprefix('vllm_')}={_short(cfg[k], 60)}" for k in
                ("vllm_url", "vllm_kv_events", "vllm_kv_replay", "vllm_interval") if k in cfg]
     lines = [
+        f"engine:     {_short(engine_label(info), 120)}",
         f"vLLM:       model={_short(cfg.get('model') or '-')} {' '.join(watched)}",
         f"ticks:      {_steps(s)} (a tick is one metrics scrape or one KV-event batch)",
         f"time span:  {s.span:.3f}s ({_fmt_t(s.t_first)} .. {_fmt_t(s.t_last)} since the recording started)",

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -96,15 +97,21 @@ class Cleared(Event, tag="AllBlocksCleared"):
 class FakeKvPublisher:
     """PUB + ROUTER on loopback; ``publish`` keeps every batch for replay (``drop`` skips the PUB send)."""
 
-    def __init__(self, *, legacy: bool, block_size: int = 16) -> None:
+    def __init__(self, *, legacy: bool, block_size: int = 16, connect_to: str | None = None,
+                 replay_topic: bool = True) -> None:
         import zmq
 
         self.legacy = legacy
+        self.replay_topic = replay_topic  # vLLM 0.32 on: replay answers carry the topic frame, as its PUB sends
         self.block_size = block_size
         ctx = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.addr = f"tcp://127.0.0.1:{port}"
+        if connect_to is not None:  # vLLM with a host endpoint (tcp://HOST:PORT) connects instead of binding
+            self.pub.connect(connect_to)
+            self.addr = connect_to
+        else:
+            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.addr = f"tcp://127.0.0.1:{port}"
         self.router = ctx.socket(zmq.ROUTER)
         rport = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.replay_addr = f"tcp://127.0.0.1:{rport}"
@@ -152,11 +159,12 @@ class FakeKvPublisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
+            topic = [b""] if self.replay_topic else []
             with self._lock:
                 for seq, payload in self.buffer:
                     if seq >= first and seq not in self.replay_skips:
-                        self.router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-                self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                        self.router.send_multipart([client, b"", *topic, seq.to_bytes(8, "big"), payload])
+                self.router.send_multipart([client, b"", *topic, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self._stop.set()
@@ -218,12 +226,22 @@ class FakeMetricsServer:
                      list(CACHE_CONFIG) + ["engine"], registry=reg)
         info.labels(**CACHE_CONFIG, engine="0").set(1)
         self.body_override: bytes | None = None
+        self.kv_event_sources: dict | bytes | None = None  # GET /kv_event_sources (vLLM 0.32 on); None: 404
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - the stdlib's name
                 from prometheus_client import generate_latest
 
+                if self.path == "/kv_event_sources" and fake.kv_event_sources is not None:
+                    src = fake.kv_event_sources
+                    body = src if isinstance(src, bytes) else json.dumps(src).encode()  # bytes: served as they are
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if self.path != "/metrics":
                     self.send_error(404)
                     return

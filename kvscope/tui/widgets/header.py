@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from kvscope.protocol.engine_info import engine_name, usable_blocks
 from kvscope.tui import fmt
 from kvscope.tui.state import CONN_CONNECTING, CONN_LIVE, CONN_REPLAY
 from kvscope.tui.widgets.base import StateWidget, join_lines
@@ -32,6 +33,12 @@ class HeaderBar(StateWidget):
             top.append(f" · {cfg.device or '?'}")
             if cfg.quantization == "gguf":  # linear layers on the GGUF's own blocks (--quantization gguf)
                 top.append(" · GGUF blocks", style=pal.dim)
+            engine = engine_name(cfg)
+            version = cfg.vllm_version if isinstance(cfg.vllm_version, str) else ""
+            if engine == "vllm":  # a real vLLM served (watched from inside, or its stat logger)
+                top.append(f" · vLLM {version}".rstrip(), style=f"bold {pal.warn}")
+            elif cfg.scheduler == "vllm":  # kvscope's engine loop, vLLM's scheduler class deciding
+                top.append(" · kvscope engine")
             backend = cfg.backend
             if backend == "sim":
                 top.append(" · ")
@@ -40,12 +47,11 @@ class HeaderBar(StateWidget):
             elif backend:
                 top.append(f" · {backend}", style=pal.dim)
             if cfg.scheduler == "vllm":  # vLLM's own V1 scheduler decides every step (--scheduler vllm)
-                version = cfg.vllm_version if isinstance(cfg.vllm_version, str) else ""
                 top.append(f" │ vLLM {version} scheduler".replace("  ", " "), style=f"bold {pal.warn}")
             else:
                 top.append(f" │ {cfg.mode or '?'}", style="bold")
             top.append(f" · {cfg.policy or '?'}")
-            nb = cfg.num_blocks or st.kv.total or len(st.blocks)
+            nb = usable_blocks(cfg) or st.kv.total or len(st.blocks)  # vLLM: its null block is no KV block
             top.append(f" │ {nb}×{cfg.block_size} blocks")
             budget = cfg.max_num_batched_tokens
             if budget:

@@ -41,7 +41,8 @@ class VllmHeader(StateWidget):
             t.append(f" {st.url} ", style=f"bold {pal.bad}" if err else "bold")
             t.append("● " if not err and st.metrics.last else "○ ", style=pal.bad if err else pal.ok)
         if st.kv_addr:
-            t.append(f" kv {st.kv_addr} ", style=pal.dim)
+            bound = getattr(st, "kv_bound", False) and not st.kv_addr.startswith("bind:")
+            t.append(f" kv {st.kv_addr}{' (bound here: vLLM connects)' if bound else ''} ", style=pal.dim)
         if st.metrics.last_error:
             t.append(f" {st.metrics.last_error}", style=pal.bad)
         elif st.kv.last_error:
@@ -83,6 +84,12 @@ class VllmQueues(StateWidget):
         pre = m.rate("num_preemptions")
         lines.append(Text(f" preemptions/s {_num(pre)}   prompt tok/s {_num(m.rate('prompt_tokens'))}   "
                           f"generation tok/s {_num(m.rate('generation_tokens'))}"))
+        per = m.preempted()
+        if per is not None:  # vllm:request_num_preemptions, where the server has it
+            finished, total, twice = per
+            mean = f"{total / finished:.2f}" if finished else "-"
+            lines.append(Text(f" finished requests {finished:.0f}: preemptions per request {mean}, "
+                              f"preempted twice or more {twice:.0f}", style=pal.dim))
         hit = _finite(m.hit_rate())
         lines.append(Text(f" prefix-cache hit rate {fmt.pct(hit) if hit is not None else '-'}   "
                           f"(over the last {m.window_s:.0f} s)", style=pal.dim))
