@@ -11,7 +11,6 @@ from kvscope.cli.common import (NoProgress, UsageError, add_slo_args, check_addr
                                 slo_from_args, workload_args,
                                 write_json)
 from kvscope.cli.stop_signals import StopSignals
-from kvscope.engine.shapes import BUILTIN_SHAPES
 
 
 OFF = "none"  # --events none / --control none: no socket
@@ -232,6 +231,8 @@ def _serve(args, config, publisher, control, front) -> int:
                     shown = f"[{host}]" if ":" in host else host
                     print(f"kvscope: listening on http://{shown}:{port} (OpenAI API; /metrics, /health)",
                           file=sys.stderr, flush=True)
+                    from kvscope.engine.shapes import BUILTIN_SHAPES
+
                     if engine.config.backend == "model" and engine.config.model in BUILTIN_SHAPES:  # a first curl, explained
                         print(f"kvscope: {engine.config.model!r} has random weights, so its replies are noise; "
                               "for words: kvscope fetch smollm2-135m, then serve --model smollm2-135m",
