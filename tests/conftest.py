@@ -16,6 +16,13 @@ from collections import Counter
 import pytest
 
 import kvscope  # noqa: F401 - before any torch op: an ISA cap (docs/CPU.md) reaches ATen and oneDNN
+import torch
+
+# Triton reads TRITON_INTERPRET once, when a kernel is decorated, and vLLM's scheduler (imported by
+# many test modules at collection) imports triton: set it here, before any test module loads, so
+# the kernel tests run under the interpreter whatever order the modules are collected in.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A suite started as a background job of a script (`sh -c 'make test &'`) inherits SIGINT ignored,
 # and an ignored signal stays ignored across exec: the servers the tests stop with Ctrl-C, as a
