@@ -685,3 +685,19 @@ def test_binding_a_non_loopback_address_is_refused_in_one_line():
         assert "\n" not in source.state.kv.last_error
     finally:
         source.close()
+
+
+def test_a_trickling_server_gets_a_bounded_time_to_say_its_version_and_kv_sources():
+    """GET /version and /kv_event_sources of a server that trickles forever give up within their budget."""
+    from kvscope.adapters.vllm_endpoints import server_version, vllm_connects_to
+
+    server = EndlessMetrics(trickle=True)
+    try:
+        with httpx.Client(timeout=10) as client:
+            t0 = time.monotonic()
+            assert server_version(server.url, client, budget_s=0.5) is None
+            assert vllm_connects_to(server.url, client, "tcp://127.0.0.1:5557") is False
+            took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert took < 20  # a hang check with room for a loaded machine (budgets 0.5 s + 3 s), not a speed test

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from msgspec import UNSET
 
 from kvscope.adapters import vllm_record
 from kvscope.adapters.vllm_cache import CacheView
@@ -51,6 +52,7 @@ def _record_session(path, *, legacy: bool, ticks_per_chunk: int | None = None, m
         monkeypatch.setattr(vllm_record, "CHUNK_TICKS", ticks_per_chunk)
     pub = FakeKvPublisher(legacy=legacy)
     m = FakeMetricsServer()
+    m.version = None if legacy else "0.32.0"  # an older server has no GET /version
     m.running.set(3)
     m.waiting.set(5)
     m.kv.set(0.25)
@@ -144,6 +146,18 @@ def test_trace_info_names_what_was_watched(recorded, capsys):
     assert f"model={MODEL}" in out and "url=http://127.0.0.1:" in out
     assert f"{rec.scrapes} scrapes" in out and f"{rec.batches} KV batches ({rec.replayed} replayed)" in out
     assert "warnings:   none" in out
+
+
+def test_trace_info_names_the_vllm_it_recorded(recorded):
+    """The hello says the engine was a vLLM, and its version where the server tells it (GET /version)."""
+    from kvscope.traces.info import trace_info
+
+    path, rec = recorded
+    cfg = TraceReader(path).hello.config
+    version = rec.vllm_version
+    assert cfg.engine == "vllm" and cfg.vllm_version == (version if version else UNSET)
+    first = "engine:     vLLM 0.32.0 (watched from outside)" if version else "engine:     vLLM (watched from outside)"
+    assert first in trace_info(path)
 
 
 def test_diagnose_reads_a_vllm_recording(recorded, capsys):

@@ -1,4 +1,4 @@
-"""Which side of vLLM's KV-event socket binds.
+"""Which side of vLLM's KV-event socket binds, and which vLLM serves (what its HTTP server says of itself).
 
 vLLM's ``--kv-events-config`` ``endpoint`` is bound when it is a wildcard (``tcp://*:5557``) or an
 ipc/inproc address, and *connected* otherwise (``tcp://127.0.0.1:5557``: vLLM expects a proxy or a
@@ -11,10 +11,36 @@ itself when the address given is one vLLM connects to. The replay socket is alwa
 from __future__ import annotations
 
 import json
+import time
 
 BIND = "bind:"
 MAX_SOURCES_BYTES = 64 << 10
 SOURCES_TIMEOUT_S = 3.0
+
+
+def _get_json(url: str, client, path: str, budget_s: float = SOURCES_TIMEOUT_S):
+    """GET url+path as JSON, bounded in size (64 KiB) and in total time (a server that trickles its body
+    gets ``budget_s`` in all, not per chunk); None for anything else."""
+    deadline = time.monotonic() + budget_s
+    try:
+        with client.stream("GET", f"{url}{path}", timeout=budget_s) as resp:
+            if resp.status_code != 200:
+                return None
+            body = b""
+            for chunk in resp.iter_raw():
+                body += chunk
+                if len(body) > MAX_SOURCES_BYTES or time.monotonic() > deadline:
+                    return None
+        return json.loads(body)
+    except Exception:  # noqa: BLE001 - network errors, bad JSON: not known
+        return None
+
+
+def server_version(url: str, client, budget_s: float = SOURCES_TIMEOUT_S) -> str | None:
+    """vLLM's version from its OpenAI server's ``GET /version`` (``{"version": "0.32.0"}``), or None."""
+    got = _get_json(url, client, "/version", budget_s)
+    v = got.get("version") if isinstance(got, dict) else None
+    return v if isinstance(v, str) and 0 < len(v) <= 64 and v.isprintable() else None
 
 
 def vllm_binds(endpoint: str) -> bool:
@@ -30,18 +56,7 @@ def split_mode(addr: str) -> tuple[bool, str]:
 def vllm_connects_to(url: str, client, addr: str) -> bool:
     """Does the vLLM at ``url`` connect its KV-event PUB to ``addr`` (so kvscope must bind it)? False when
     the server does not say (an older vLLM, an error, anything malformed: kvscope then connects, as always)."""
-    try:
-        with client.stream("GET", f"{url}/kv_event_sources", timeout=SOURCES_TIMEOUT_S) as resp:
-            if resp.status_code != 200:
-                return False
-            body = b""
-            for chunk in resp.iter_raw():
-                body += chunk
-                if len(body) > MAX_SOURCES_BYTES:
-                    return False
-        sources = json.loads(body)
-    except Exception:  # noqa: BLE001 - network errors, bad JSON: not known
-        return False
+    sources = _get_json(url, client, "/kv_event_sources")
     if not isinstance(sources, dict):
         return False
     for cfg in list(sources.values())[:64]:  # one per engine (data-parallel rank)

@@ -41,6 +41,7 @@ class VllmRecorder(NullListener):
         self.unrecordable = 0  # events the reader would refuse (never written)
         self.closed = False
         self.last_error: str | None = None
+        self.vllm_version: str | None = None  # what the server's GET /version said, for the hello
 
     def _t(self) -> float:
         return time.monotonic() - self.t0
@@ -48,7 +49,9 @@ class VllmRecorder(NullListener):
     def _writer(self, model: str | None) -> TraceWriter:
         if self.writer is None:  # opened at the first sample, so the hello can name the model
             src = self.source
-            info = {"model": model or "", "backend": BACKEND_VLLM}
+            info = {"model": model or "", "engine": "vllm", "backend": BACKEND_VLLM}
+            if self.vllm_version:
+                info["vllm_version"] = self.vllm_version
             if src.url:
                 info["vllm_url"] = src.url
                 info["vllm_interval"] = src.interval
@@ -129,11 +132,13 @@ def record_vllm(path: str | os.PathLike, url: str | None, kv_events: str | None,
     stop = stop or threading.Event()
     tty = progress and sys.stderr.isatty()
     last_line = 0.0
-    if url:  # one scrape first, so the trace's hello can name the model (within --duration too)
+    if url:  # vLLM's version and one scrape first, so the trace's hello can name them (within --duration too)
+        from kvscope.adapters.vllm_endpoints import server_version
         from kvscope.adapters.vllm_source import SCRAPE_TIMEOUT_S, scrape_client
 
         budget = SCRAPE_TIMEOUT_S if duration is None else min(SCRAPE_TIMEOUT_S, duration)
         with scrape_client(interval) as client:
+            recorder.vllm_version = server_version(source.url, client, budget_s=min(1.0, budget))
             source.scrape_once(client, budget_s=budget)
     source.start()
     try:

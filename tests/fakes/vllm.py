@@ -227,12 +227,20 @@ class FakeMetricsServer:
         info.labels(**CACHE_CONFIG, engine="0").set(1)
         self.body_override: bytes | None = None
         self.kv_event_sources: dict | bytes | None = None  # GET /kv_event_sources (vLLM 0.32 on); None: 404
+        self.version: str | None = None  # GET /version, as vLLM's OpenAI server answers it; None: 404
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - the stdlib's name
                 from prometheus_client import generate_latest
 
+                if self.path == "/version" and fake.version is not None:
+                    body = json.dumps({"version": fake.version}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if self.path == "/kv_event_sources" and fake.kv_event_sources is not None:
                     src = fake.kv_event_sources
                     body = src if isinstance(src, bytes) else json.dumps(src).encode()  # bytes: served as they are
