@@ -53,6 +53,28 @@ def test_events_rebuild_vllm_block_state_every_step(prefix_caching):
     assert sum(len(d.event.finished) for d in steps) == 14
 
 
+def test_blocks_handed_out_and_given_back_within_one_step_are_counted_cached():
+    """Requests of one output token finish in the step that admits them: their full blocks go straight back
+    to the pool with their prefix cached, never seen held between two steps; the builder still counts them."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, 250) for _ in range(40)]
+    arrivals = [Arrival(f"r{i}", system + [rng.randrange(1, 250) for _ in range(rng.randrange(20, 60))],
+                        1 if i % 2 else rng.randrange(2, 12), step=i) for i in range(16)]
+    settings = VllmSchedulerSettings(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=256,
+                                     enable_prefix_caching=True)
+    steps, _ = drive(settings, arrivals, events=True)
+    watcher = BlockMap(settings.num_blocks)
+    grew_in_one_step = 0
+    for before, d in zip([None, *steps], steps):
+        event = codec.decode(codec.encode(d.event))
+        watcher.apply_step(event)
+        assert {b for b in range(settings.num_blocks) if watcher.cached[b]} == d.cached, f"step {event.step}"
+        assert event.kv.cached == len(d.cached)
+        if before is not None and any(f.output_len == 1 for f in event.finished):
+            grew_in_one_step += bool(d.cached - before.cached - set(before.refcounts))
+    assert grew_in_one_step, "some step cached blocks that were never held between two steps"
+
+
 def test_admission_names_why_the_head_waits():
     settings = VllmSchedulerSettings(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=256)
     steps = drive(settings, [Arrival(f"r{i}", list(range(1, 20)), 8) for i in range(4)], events=True)[0]

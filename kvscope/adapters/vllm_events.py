@@ -185,6 +185,9 @@ class VllmEventBuilder:
         self._last_running: tuple[list[str], list[int]] = ([], [])
         # the owner (claimer) of each block as a watcher rebuilds it from the deltas: what snapshots report
         self._claims = BlockMap(self.pool.num_gpu_blocks, tables=False)
+        # _block_state's last answer, and the blocks vLLM handed out since (from each SchedulerOutput)
+        self._state: tuple[dict[int, int], set[int]] | None = None
+        self._handed_out: set[int] = set()
 
     # ---- reading vLLM's state --------------------------------------------------------
     def _manager(self) -> Any:
@@ -223,17 +226,39 @@ class VllmEventBuilder:
         return tables
 
     def _block_state(self) -> tuple[dict[int, int], set[int]]:
-        """(refcount of every referenced block, free blocks that still hold a cached prefix)."""
+        """(refcount of every referenced block, free blocks that still hold a cached prefix).
+
+        Kept from the blocks that can have changed since the last call, not from a pass over the pool
+        (a GPU-sized pool holds tens of thousands of blocks): a block's refcount changes only while a
+        request's table holds it, and a free block gains or loses its cached prefix only by being handed
+        out (evicted) or given back. So the candidates are the blocks held now, those held at the last
+        call and those handed out since (``after_schedule`` notes them); the first call reads the whole
+        pool.
+        """
         refs: dict[int, int] = {}
-        cached: set[int] = set()
-        for blk in self.pool.blocks:
-            if blk.is_null:
-                continue
-            if blk.ref_cnt > 0:
-                refs[blk.block_id] = blk.ref_cnt
-            elif blk.block_hash is not None:
-                cached.add(blk.block_id)
-        return refs, cached
+        for blocks in self._manager().req_to_blocks.values():
+            for blk in blocks:
+                if not blk.is_null:
+                    refs[blk.block_id] = blk.ref_cnt
+        state = self._state
+        if state is None:
+            cached = {blk.block_id for blk in self.pool.blocks
+                      if not blk.is_null and blk.ref_cnt == 0 and blk.block_hash is not None}
+        else:
+            refs_before, cached = state[0], set(state[1])
+            cached.difference_update(refs)
+            pool = self.pool.blocks
+            for b in self._handed_out.union(refs_before).difference(refs):
+                blk = pool[b]
+                if blk.is_null:
+                    continue
+                if blk.ref_cnt == 0 and blk.block_hash is not None:
+                    cached.add(b)
+                else:
+                    cached.discard(b)
+        self._handed_out = set()
+        self._state = (refs, cached)
+        return dict(refs), set(cached)
 
     def kv_counters(self, tables: dict[int, list[int]] | None = None,
                     state: tuple[dict[int, int], set[int]] | None = None) -> KvCounters:
@@ -275,6 +300,13 @@ class VllmEventBuilder:
         for vid in out.num_scheduled_tokens:
             if vid not in self._seen and vid in requests:
                 self._seen[vid] = _Seen(requests[vid], self.ids(vid))
+        handed = self._handed_out  # a block handed out and given back within one step is found through these
+        for new in out.scheduled_new_reqs:
+            for group in new.block_ids or ():
+                handed.update(group)
+        for ids in out.scheduled_cached_reqs.new_block_ids:
+            for group in ids or ():
+                handed.update(group)
 
     def batch(self, out: Any) -> list[BatchEntry]:
         """The step's batch from ``num_scheduled_tokens`` (valid after ``schedule()`` and after the update:
@@ -455,7 +487,8 @@ class VllmEventBuilder:
             now = tables.get(rid, ())
             for b in set(table).intersection(now):
                 kept[b] = kept.get(b, 0) + 1
-        touched = set(refs_before) | cached_before | set(refs_now) | cached_now
+        # a block cached-free before and after is untouched (its state and holders are the same)
+        touched = set(refs_before).union(refs_now, cached_before.symmetric_difference(cached_now))
         for b in sorted(touched):
             before_held = b in refs_before
             if b in refs_now:
