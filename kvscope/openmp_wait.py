@@ -4,7 +4,7 @@ once, then).
 kvscope's threads spin briefly at a barrier, then sleep (GOMP_SPINCOUNT=20000, about a millisecond):
 libgomp's default spins far longer and takes a core from any process beside it, and a passive wait
 (no spin) made every op of a decode step wake its peer through the kernel, 1.75x slower for one
-chat stream on 2 threads (docs/CPU.md, bench/results/threads-wait-spin-*.json). Its own module, light
+chat stream on 2 threads (docs/CPU.md, benchmarks/results/threads-wait-spin-*.json). Its own module, light
 and outside the engine, so the command line can set it first thing without importing the engine
 (`kvscope diagnose --no-what-if` loads no engine and no torch).
 """

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvscope import cpu_isa
-from kvscope.engine import cpu_linear
-from kvscope.kernels import cpu_attention
+from kvscope.engine.cpu import linear as cpu_linear
+from kvscope.kernels.cpu import library as cpu_attention
 
 
 def _capped(reason: str) -> str:

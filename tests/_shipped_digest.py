@@ -30,7 +30,7 @@ def _config_dict(config) -> dict:
 def digest(path: str) -> dict:
     from kvscope.protocol.codec import encode
     from kvscope.traces.reader import TraceReader
-    from kvscope.tui.state import new_state, picture, reduce
+    from kvscope.tui.model.state import new_state, picture, reduce
 
     reader = TraceReader(path)
     events = list(reader)

@@ -94,7 +94,7 @@ class HFReference:
 @pytest.fixture(scope="session")
 def tiny_ref() -> HFReference:
     """The built-in tiny model as a plain transformers model: the same weights LLM(model="tiny") builds."""
-    from kvscope.engine.models import build_builtin
+    from kvscope.engine.loader.models import build_builtin
 
     return HFReference(build_builtin("tiny"))
 
@@ -234,7 +234,7 @@ def windowed_models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real model's cached GGUF (tests/test_engine_gguf.py, tests/test_sim_smollm2.py)."""
-    from kvscope.engine import named_models
+    from kvscope.engine.loader import named_models
 
     name = "smollm2-135m"
     if named_models.is_cached(name):

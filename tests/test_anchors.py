@@ -1,4 +1,4 @@
-"""The sim against published runs: bench/anchors.json, the table, the fitted defaults, the CLI."""
+"""The sim against published runs: kvscope/bench/anchors.json, the table, the fitted defaults, the CLI."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvscope.bench.anchors import check_anchors, load_anchors, nano_vllm_bench_lengths, run_anchors
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

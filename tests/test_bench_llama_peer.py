@@ -43,7 +43,7 @@ def test_llama_cpp_is_a_peer_name_but_not_a_default():
 def test_a_named_real_model_runs_llama_cpp_on_its_cached_gguf(monkeypatch, tmp_path):
     """`--model smollm2-135m --peers llama-cpp` is the same file both engines load: the cached GGUF."""
     from kvscope.bench.llama_peer import gguf_path
-    from kvscope.engine import named_models
+    from kvscope.engine.loader import named_models
     from kvscope.engine.config import EngineConfig
 
     monkeypatch.setenv(named_models.CACHE_ENV, str(tmp_path))

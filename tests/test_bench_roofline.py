@@ -87,7 +87,7 @@ def test_the_machine_is_measured_on_every_thread_the_engine_may_use(monkeypatch)
     import torch
 
     from kvscope.bench import modes
-    from kvscope.engine.models import build_builtin
+    from kvscope.engine.loader.models import build_builtin
 
     seen = []
     monkeypatch.setattr(roofline, "measure_peaks",

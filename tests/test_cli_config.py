@@ -59,7 +59,7 @@ def test_commands_that_need_no_engine_load_no_torch():
     import sys
 
     code = ("import sys; from kvscope.cli import main; main(['trace-info', sys.argv[1]]); "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('kvscope.engine.models', "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('kvscope.engine.loader.models', "
             "'kvscope.engine.llm_engine', 'kvscope.engine.sim.catalog'))]; print('LOADED', bad)")
     out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "traces", "calib-cpu.kvtrace")],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})

@@ -82,7 +82,7 @@ def test_race_plan_refuses_more_than_four_runs():
 
 
 def _app(paths, clock, **kw):
-    from kvscope.tui.compare_app import make_compare_app
+    from kvscope.tui.launch.compare import make_compare_app
 
     return make_compare_app(paths, clock=clock, auto_tick=False, **kw)
 

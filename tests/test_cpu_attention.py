@@ -1,4 +1,4 @@
-"""The CPU kernel that reads the KV pages in place (kvscope.kernels.cpu_attention) against the torch reference.
+"""The CPU kernel that reads the KV pages in place (kvscope.kernels.cpu.library) against the torch reference.
 
 Decode rows go through the C++ op, prefill chunks through the reference's SDPA; either way every
 query must get what reference.paged_attention gives it (fp32 to rounding, bf16 to bf16's
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from kvscope.kernels import cpu_attention, reference, select_attention_ops, testing
+from kvscope.kernels import reference, select_attention_ops, testing
+from kvscope.kernels.cpu import library as cpu_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

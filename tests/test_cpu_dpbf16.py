@@ -1,4 +1,4 @@
-"""Decode-sized bf16 linear layers with AVX-512 BF16, over the weight oneDNN packed (kernels/csrc/cpu_dpbf16.cpp,
+"""Decode-sized bf16 linear layers with AVX-512 BF16, over the weight oneDNN packed (kernels/cpu/csrc/cpu_dpbf16.cpp,
 engine/cpu_linear.use_dpbf16). The kernel's tests run only where it is built and oneDNN packs its layout (a CPU
 with avx512_bf16 and no AMX); the rest check that elsewhere nothing changes."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvscope.engine import LLM, SamplingParams, cpu_linear
-from kvscope.engine.cpu_linear import DPBF16_MAX_ROWS, PackedLinear, use_dpbf16
-from kvscope.engine.models import build_builtin
-from kvscope.kernels import cpu_attention
+from kvscope.engine import LLM, SamplingParams
+from kvscope.engine.cpu import linear as cpu_linear
+from kvscope.engine.cpu.linear import DPBF16_MAX_ROWS, PackedLinear, use_dpbf16
+from kvscope.engine.loader.models import build_builtin
+from kvscope.kernels.cpu import library as cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_linear.packing_unavailable(torch.bfloat16) is not None,
                                 reason="this torch has no oneDNN packed linear")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvscope import cpu_isa
-from kvscope.kernels import cpu_attention
+from kvscope.kernels.cpu import library as cpu_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX512_BF16_CPU = frozenset({"sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",

@@ -1,5 +1,5 @@
-"""The CPU engine's linear layers, packed once for oneDNN, and its kept memory (engine/cpu_linear.py,
-engine/cpu_malloc.py)."""
+"""The CPU engine's linear layers, packed once for oneDNN, and its kept memory (engine/cpu/linear.py,
+engine/cpu/malloc.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from _cpu import needs_bf16_packing, without_bf16_packing
-from kvscope.engine import cpu_linear, cpu_malloc
-from kvscope.engine.cpu_linear import PackedLinear, pack_linears
-from kvscope.engine.models import build_builtin
+from kvscope.engine.cpu import linear as cpu_linear
+from kvscope.engine.cpu import malloc as cpu_malloc
+from kvscope.engine.cpu.linear import PackedLinear, pack_linears
+from kvscope.engine.loader.models import build_builtin
 
 pytestmark = pytest.mark.skipif(cpu_linear.packing_unavailable(torch.float32) is not None,
                                 reason="this torch has no oneDNN packed linear")
@@ -107,7 +108,7 @@ def test_kept_memory_is_set_once_and_leaves_a_users_own_tunables_alone(monkeypat
 @needs_bf16_packing
 def test_a_packed_model_still_counts_its_weights():
     """A second engine on a cached, already packed model reports the same weight memory as the first."""
-    from kvscope.engine.gguf import weight_bytes
+    from kvscope.engine.loader.gguf import weight_bytes
 
     model = build_builtin("tiny", dtype=torch.bfloat16)
     before = weight_bytes(model)

@@ -1,4 +1,4 @@
-"""The CPU thread defaults, as measured by bench/thread_sweep.py: every core for the engine alone,
+"""The CPU thread defaults, as measured by benchmarks/thread_sweep.py: every core for the engine alone,
 every core but one beside the demo's dashboard; reported in hello, and the same for the bench's peers."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvscope.engine.config import EngineConfig, usable_cores
-from kvscope.engine.model_backend import default_cpu_threads
-from kvscope.tui.demo import demo_command, demo_threads
+from kvscope.engine.worker.model_backend import default_cpu_threads
+from kvscope.tui.launch.demo import demo_command, demo_threads
 
 
 @pytest.mark.parametrize("cores,alone,beside_dashboard", [(1, 1, 1), (2, 2, 1), (16, 16, 15)])
@@ -65,7 +65,7 @@ def test_an_explicit_thread_count_wins(restore_threads):
         engine.close()
 
 
-# ---- the online thread choice (kvscope/engine/cpu_threads.py) -------------------------------------------
+# ---- the online thread choice (kvscope/engine/cpu/threads.py) -------------------------------------------
 def _drive(tuner, seconds_per_work: dict[int, float], steps: int, work: float = 1.0) -> list[int]:
     """Run `steps` steps whose time per unit of work depends on the thread count in use; returns the counts."""
     used = []
@@ -77,7 +77,7 @@ def _drive(tuner, seconds_per_work: dict[int, float], steps: int, work: float = 
 
 
 def test_the_tuner_moves_to_one_thread_when_all_cores_collapse():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     applied = []
     tuner = ThreadTuner([1, 2], applied.append, probe_pairs=4, first_gap=8)
@@ -89,7 +89,7 @@ def test_the_tuner_moves_to_one_thread_when_all_cores_collapse():
 
 
 def test_the_tuner_keeps_every_core_when_they_win_and_probes_less_and_less():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     tuner = ThreadTuner([1, 2], lambda n: None, probe_pairs=4, first_gap=8, max_gap=256)
     used = _drive(tuner, {2: 1.0, 1: 1.6}, 2000)
@@ -99,7 +99,7 @@ def test_the_tuner_keeps_every_core_when_they_win_and_probes_less_and_less():
 
 
 def test_the_tuner_follows_a_competitor_that_comes_and_goes():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     tuner = ThreadTuner([1, 2], lambda n: None, probe_pairs=4, first_gap=8, max_gap=64)
     _drive(tuner, {2: 1.0, 1: 1.6}, 300)
@@ -111,7 +111,7 @@ def test_the_tuner_follows_a_competitor_that_comes_and_goes():
 
 
 def test_steps_of_different_sizes_compare_by_their_priced_work():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     # one thread gets the big steps and two threads the small ones; per unit of work two threads are faster
     tuner = ThreadTuner([1, 2], lambda n: None, probe_pairs=4, first_gap=8)
@@ -141,7 +141,7 @@ def test_idle_torch_threads_spin_briefly_unless_the_user_chose():
     import subprocess
     import sys
 
-    code = ("import kvscope.engine.model_backend, os; "
+    code = ("import kvscope.engine.worker.model_backend, os; "
             "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -177,7 +177,7 @@ def test_the_tuner_compares_like_for_like_steps_when_time_is_not_proportional_to
     with the batch (prefill-heavy stretches look cheap per unit, decode stretches dear). Comparing a probe
     window with a baseline window of other batches then decided by the batch, not the thread count (issue
     29's loaded bench kept 2 threads at 440 tok/s against one thread's 827); adjacent pairs do not."""
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     factor = {2: 3.0, 1: 1.0}  # a competitor: two threads three times slower
     tuner = ThreadTuner([1, 2], lambda n: None)  # the engine's defaults
@@ -199,7 +199,7 @@ def test_rare_long_stalls_count_because_they_are_the_loss():
     most two-thread steps run at full speed and one in three takes ten times as long. Two threads are
     then slower on the whole (4.0 per unit of work against one thread's 1.3), though a median of pairs,
     which the tuner used before, would see only the fast steps and keep them."""
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     tuner = ThreadTuner([1, 2], lambda n: None)  # the engine's defaults
     on_two = 0
@@ -218,7 +218,7 @@ def test_rare_long_stalls_count_because_they_are_the_loss():
 
 
 def test_a_clear_win_switches_after_two_pairs():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     tuner = ThreadTuner([1, 2], lambda n: None)
     used = _drive(tuner, {2: 3.0, 1: 1.0}, 40)
@@ -227,9 +227,9 @@ def test_a_clear_win_switches_after_two_pairs():
     assert used[first_probe + 3 :].count(2) == 0, "no third pair on the collapsed count"
 
 
-# ---- other processes' load (kvscope/engine/cpu_load.py) --------------------------------------------------
+# ---- other processes' load (kvscope/engine/cpu/load.py) --------------------------------------------------
 def test_other_processes_load_is_the_machines_busy_time_less_this_process():
-    from kvscope.engine.cpu_load import CpuSample, others_busy, read_busy_s
+    from kvscope.engine.cpu.load import CpuSample, others_busy, read_busy_s
 
     a = CpuSample(busy_s=100.0, own_s=10.0, t=50.0)
     b = CpuSample(busy_s=103.0, own_s=11.0, t=51.0)  # 3 busy seconds in one second, one of them ours
@@ -239,7 +239,7 @@ def test_other_processes_load_is_the_machines_busy_time_less_this_process():
 
 
 def test_proc_stat_is_read_without_nice_idle_or_steal(tmp_path):
-    from kvscope.engine.cpu_load import read_busy_s
+    from kvscope.engine.cpu.load import read_busy_s
 
     stat = tmp_path / "stat"
     stat.write_text("cpu  700 9000 200 5000 40 30 20 800 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
@@ -257,7 +257,7 @@ def test_a_busy_process_reads_as_about_a_core():
     import sys
     import time
 
-    from kvscope.engine.cpu_load import OtherLoad, read_busy_s
+    from kvscope.engine.cpu.load import OtherLoad, read_busy_s
 
     if read_busy_s() is None:
         pytest.skip("no /proc/stat here")
@@ -285,7 +285,7 @@ class _ScriptedLoad:
 
 
 def test_the_tuner_starts_on_fewer_threads_where_a_core_was_busy_while_the_model_loaded():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     applied = []
     tuner = ThreadTuner([1, 2], applied.append, load=_ScriptedLoad([1.0]))
@@ -301,7 +301,7 @@ def test_the_tuner_starts_on_fewer_threads_where_a_core_was_busy_while_the_model
 def test_a_competitor_that_arrives_late_brings_the_next_probe_forward():
     """Quiet for 600 steps (the gap between probes has grown to 128), then a competitor: the load reading
     sees it within LOAD_EVERY steps and the tuner probes at once, instead of up to 128 steps later."""
-    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+    from kvscope.engine.cpu.threads import LOAD_EVERY, ThreadTuner
 
     load = _ScriptedLoad([0.0])
     tuner = ThreadTuner([1, 2], lambda n: None, max_gap=128, load=load)
@@ -320,7 +320,7 @@ def test_a_competitor_that_arrives_late_brings_the_next_probe_forward():
 def test_on_a_quiet_machine_two_lucky_pairs_do_not_switch():
     """Tiny steps are noisy: two pairs can make one thread look 2x faster by chance. Where the kernel says
     nobody else is busy, a probe runs its four pairs before deciding (here the last two undo the first)."""
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     def run(load):
         tuner = ThreadTuner([1, 2], lambda n: None, first_gap=8, max_gap=8, load=load)
@@ -340,7 +340,7 @@ def test_on_a_quiet_machine_two_lucky_pairs_do_not_switch():
 
 
 def test_beside_a_competitor_it_stops_asking_every_core_until_the_load_changes():
-    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+    from kvscope.engine.cpu.threads import LOAD_EVERY, ThreadTuner
 
     load = _ScriptedLoad([1.0])
     tuner = ThreadTuner([1, 2], lambda n: None, load=load)
@@ -354,7 +354,7 @@ def test_beside_a_competitor_it_stops_asking_every_core_until_the_load_changes()
 
 # ---- an explicit --cpu-threads N: a ceiling, left only beside a competitor ------------------
 def test_an_explicit_count_is_held_on_a_quiet_machine_even_where_fewer_would_win():
-    from kvscope.engine.cpu_threads import ThreadTuner
+    from kvscope.engine.cpu.threads import ThreadTuner
 
     for load in (_ScriptedLoad([0.0]), None):  # quiet, or no reading at all: exactly the count asked for
         tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
@@ -363,7 +363,7 @@ def test_an_explicit_count_is_held_on_a_quiet_machine_even_where_fewer_would_win
 
 
 def test_an_explicit_count_drops_beside_a_competitor_and_comes_back_when_it_leaves():
-    from kvscope.engine.cpu_threads import LOAD_EVERY, ThreadTuner
+    from kvscope.engine.cpu.threads import LOAD_EVERY, ThreadTuner
 
     load = _ScriptedLoad([0.0])
     tuner = ThreadTuner([1, 2], lambda n: None, load=load, only_beside_competitor=True)
@@ -377,7 +377,7 @@ def test_an_explicit_count_drops_beside_a_competitor_and_comes_back_when_it_leav
 
 
 def test_an_explicit_count_tunes_unless_the_user_fixes_it(restore_threads, monkeypatch):
-    from kvscope.engine.cpu_threads import FIXED_THREADS_ENV
+    from kvscope.engine.cpu.threads import FIXED_THREADS_ENV
     from kvscope.engine.llm_engine import LLMEngine
 
     monkeypatch.delenv(FIXED_THREADS_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""The written-out CPU forward (engine/decoder.py): every step's logits are the bits transformers' own
+"""The written-out CPU forward (engine/cpu/decoder.py): every step's logits are the bits transformers' own
 forward gives over the same paged cache, for each llama-family layout it accepts, and any other model
 keeps transformers' forward with the reason said."""
 
@@ -10,9 +10,9 @@ import torch
 from _cpu import PYTHON_LAYERS_UNPACKED, expected_forward, needs_bf16_packing, without_bf16_packing
 from conftest import save_checkpoint, token_prompts
 from kvscope.engine import LLM, SamplingParams
-from kvscope.engine.decoder import FORCE_ENV, PagedDecoder
-from kvscope.engine.native_layers import CHOICE_ENV as LAYERS_ENV
-from kvscope.kernels import cpu_attention
+from kvscope.engine.cpu.decoder import FORCE_ENV, PagedDecoder
+from kvscope.engine.cpu.native_layers import CHOICE_ENV as LAYERS_ENV
+from kvscope.kernels.cpu import library as cpu_attention
 
 # each layout the decoder accepts: llama (no bias), qwen2 (q/k/v bias), qwen3 (q/k norms, one layer slides),
 # mistral (every layer slides); 4 query heads over 2 KV heads
@@ -164,7 +164,7 @@ def test_a_model_without_llama_layers_is_refused_by_build():
 @pytest.mark.skipif(not _native_available(), reason="the CPU kernels did not build here")
 @pytest.mark.parametrize("shape", [(1, 576), (24, 1024), (300, 1024), (5, 3, 128), (2, 3000)])
 def test_the_native_bf16_norm_is_the_python_norms_bits(shape):
-    from kvscope.engine.decoder import Norm
+    from kvscope.engine.cpu.decoder import Norm
 
     gen = torch.Generator().manual_seed(sum(shape))
     for scale in (1e-3, 1.0, 40.0):
@@ -184,7 +184,7 @@ def test_the_native_bf16_norm_is_the_python_norms_bits(shape):
 
 @pytest.mark.skipif(not _native_available(), reason="the CPU kernels did not build here")
 def test_the_in_place_rotary_and_cache_writes_are_the_reference_bits():
-    from kvscope.engine.decoder import _rope, _rope_in_place
+    from kvscope.engine.cpu.decoder import _rope, _rope_in_place
     from kvscope.kernels import reference
 
     gen = torch.Generator().manual_seed(5)

@@ -44,10 +44,10 @@ FOREIGN_FLAGS = {
     "--scheduling-policy": "vllm serve",
     "--shutdown-timeout": "vllm serve",
     "--snapshot-update": "pytest-textual-snapshot",
-    "--dry-run": "bench/gpu_check.py",
-    "--out": "bench/gpu_check.py",
-    "--budget-s": "bench/gpu_check.py",
-    "--sections": "bench/gpu_check.py",
+    "--dry-run": "benchmarks/gpu_check.py",
+    "--out": "benchmarks/gpu_check.py",
+    "--budget-s": "benchmarks/gpu_check.py",
+    "--sections": "benchmarks/gpu_check.py",
 }
 
 

@@ -29,7 +29,7 @@ from kvscope.traces.reader import TraceReader  # noqa: E402
 from kvscope.traces.writer import TraceWriter  # noqa: E402
 from tests.fakes.vllm_core import Core, build  # noqa: E402
 
-WATCHED = "kvscope.adapters.vllm_watch.WatchedScheduler"
+WATCHED = "kvscope.vllm.inproc.watched.WatchedScheduler"
 
 
 class Wire:
@@ -61,7 +61,7 @@ def _arrivals(core: Core, rng: random.Random, step: int, shared_share: float, un
 def run_watched(*, seed: int, num_blocks: int, max_num_seqs: int, budget: int, prefix_caching: bool,
                 async_scheduling: bool, shared_share: float = 0.4, snapshot_every: int = 9):
     """vLLM's scheduler in its engine-core loop, watched; returns the consumer and the usage mismatches."""
-    from kvscope.adapters import vllm_watch
+    from kvscope.vllm.inproc import watched as vllm_watch
 
     old = vllm_watch.SNAPSHOT_EVERY
     vllm_watch.SNAPSHOT_EVERY = snapshot_every  # often: every snapshot is checked against the rebuilt map
@@ -211,7 +211,7 @@ def test_the_consumer_finds_a_counter_off_by_the_null_block():
     frames = []
     from kvscope.protocol.codec import decode
 
-    from kvscope.adapters import vllm_watch
+    from kvscope.vllm.inproc import watched as vllm_watch
 
     sched = build(WATCHED, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
     wire = Wire()

@@ -120,7 +120,7 @@ def test_source_travels_in_request_events_and_snapshots():
 
 
 def test_request_detail_says_a_request_came_from_http():
-    from kvscope.tui.state import new_state, reduce_all
+    from kvscope.tui.model.state import new_state, reduce_all
 
     engine, sink = _engine()
     http = engine.add_request(_prompt(5), SamplingParams(max_tokens=3), source="http")

@@ -10,7 +10,7 @@ import pytest
 from _bf16 import check_within_near_ties
 from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
-from kvscope.engine.cpu_dtype import auto_cpu_dtype
+from kvscope.engine.cpu.dtype import auto_cpu_dtype
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = [5, 17, 33, 48, 70, 12]
@@ -20,7 +20,7 @@ def _bf16_reference(model_name: str, model_arg: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvscope.engine.models import build_builtin
+    from kvscope.engine.loader.models import build_builtin
 
     if model_name == "tiny":
         return build_builtin("tiny", dtype=torch.bfloat16, device="cpu").eval()
@@ -69,7 +69,7 @@ def test_auto_dtype_is_said_at_start_up():
 def test_bf16_kv_blocks_swap_out_copy_and_back_bit_for_bit():
     import torch
 
-    from kvscope.engine.swap import KvSwapper
+    from kvscope.engine.worker.swapper import KvSwapper
 
     cache = torch.randn(2, 2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     before = cache.clone()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine.block_manager import BlockManager, blocks_needed
+from kvscope.engine.kv.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_events import BlockAllocated, BlockDeltaFold, BlockFreed, TableDropped
+from kvscope.engine.kv.events import BlockAllocated, BlockDeltaFold, BlockFreed, TableDropped
 from kvscope.engine.request import Request
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.sched.scheduler import Scheduler
 
 
 def test_blocks_needed():

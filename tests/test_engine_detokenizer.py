@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.detokenizer import IncrementalDetokenizer, detokenize
-from kvscope.engine.tokenizer import ByteTokenizer
+from kvscope.engine.loader.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 TEXT = "ok 🔭 día ✨"

@@ -15,8 +15,8 @@ import pytest
 
 from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
-from kvscope.engine.errors import KvscopeError
-from kvscope.engine.policies import Policy
+from kvscope.errors import KvscopeError
+from kvscope.engine.sched.policies import Policy
 from kvscope.protocol.blockmap import BlockMap
 
 MAX_TOKENS = 16
@@ -205,7 +205,7 @@ def test_dashboard_from_deltas_equals_snapshots(models, recorder, policy):
     equals the one a snapshot gives at every snapshot (so a replay seek shows what live showed)."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.tui.state import new_state, picture, reduce
+    from kvscope.tui.model.state import new_state, picture, reduce
 
     model_arg, _, vocab = models["tiny"]
     prompts = shared_prefix_prompts(vocab, seed=4) + token_prompts([30, 45, 20, 38], vocab, seed=2)

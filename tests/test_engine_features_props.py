@@ -29,13 +29,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.block_manager import BlockManager, blocks_needed
+from kvscope.engine.kv.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_events import BlockCopied, BlockDeltaFold, BlockRemoved
-from kvscope.engine.policies import SJF, remaining_work
+from kvscope.engine.kv.events import BlockCopied, BlockDeltaFold, BlockRemoved
+from kvscope.engine.sched.policies import SJF, remaining_work
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.sched.scheduler import Scheduler
 
 TOKEN = 7
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,7 @@ chats with `kvscope serve --http` over it.
 
 The model is fetched once into the cache (`kvscope fetch smollm2-135m`, which `make test`
 runs first). transformers parses a GGUF slowly, so it is loaded once per session
-(kvscope.engine.gguf keeps the last file loaded): the reference is a copy of that
+(kvscope.engine.loader.gguf keeps the last file loaded): the reference is a copy of that
 transformers model taken before any engine switched its attention, and it runs
 transformers' own attention and `generate`. All runs are float32.
 """
@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 
 from conftest import HFReference  # noqa: E402
 from kvscope.engine import LLM, SamplingParams  # noqa: E402
-from kvscope.kernels import gguf_linear  # noqa: E402
+from kvscope.kernels.cpu import gguf_linear  # noqa: E402
 
 MODEL = "smollm2-135m"
 MODES = ("naive", "static", "continuous", "chunked")
@@ -39,7 +39,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """(the engine's cached load, an independent transformers reference on a copy of its weights)."""
-    from kvscope.engine.gguf import load_gguf
+    from kvscope.engine.loader.gguf import load_gguf
 
     model, tokenizer, _ = load_gguf(smollm2_path, torch.float32, "cpu")
     assert model.config._attn_implementation != "kvscope_paged", "copy the reference before any engine runs"
@@ -165,7 +165,7 @@ def test_fused_bf16_layer_rounds_where_the_aten_ops_round(smollm2_path, chat_pro
     or activation differs everywhere."""
     import dataclasses
 
-    from kvscope.kernels import cpu_attention
+    from kvscope.kernels.cpu import library as cpu_attention
 
     llm = LLM(smollm2_path, device="cpu", dtype="bfloat16", num_blocks=64, quantization="gguf")
     native = llm.engine.runner.decoder.native
@@ -214,7 +214,7 @@ def test_bf16_greedy_matches_transformers_up_to_near_ties_on_the_real_model(smol
     first engine to load it shares it, and switches its attention to kvscope's (on a fresh model cache the
     converting engine runs on that very object)."""
     from _bf16 import check_within_near_ties
-    from kvscope.engine.cpu_dtype import auto_cpu_dtype
+    from kvscope.engine.cpu.dtype import auto_cpu_dtype
 
     _, reference = smollm2
     ref = copy.deepcopy(reference.model).to(torch.bfloat16).eval()

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kvscope.engine.inputs import InputBuilder
-from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from kvscope.engine.worker.inputs import InputBuilder
+from kvscope.engine.sched.output import ScheduledSeq, SchedulerOutput
 
 NUM_BLOCKS = 64
 

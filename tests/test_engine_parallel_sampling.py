@@ -12,7 +12,7 @@ from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.errors import RequestRejected
-from kvscope.engine.kv_events import BlockCopied
+from kvscope.engine.kv.events import BlockCopied
 from kvscope.engine.llm_engine import LLMEngine
 
 

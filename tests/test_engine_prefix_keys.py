@@ -16,17 +16,17 @@ import pytest
 
 from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
-from kvscope.engine import prefix_cache
-from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.kv_events import BlockStored
-from kvscope.engine.prefix_cache import KEY_BYTES, PrefixCache, block_key, root_key
+from kvscope.engine.kv import prefix_cache
+from kvscope.engine.kv.block_manager import BlockManager
+from kvscope.engine.kv.events import BlockStored
+from kvscope.engine.kv.prefix_cache import KEY_BYTES, PrefixCache, block_key, root_key
 from kvscope.engine.request import Request
 
 BS = 4
 
 
 def old_key(parent, tokens) -> int:
-    """The key before this change (kvscope.engine.block_manager.block_hash)."""
+    """The key before this change (kvscope.engine.kv.block_manager.block_hash)."""
     return hash((parent, tuple(tokens)))
 
 

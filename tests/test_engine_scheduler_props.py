@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.block_manager import BlockManager, blocks_needed
+from kvscope.engine.kv.block_manager import BlockManager, blocks_needed
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.sched.scheduler import Scheduler
 
 MODES = ("naive", "static", "continuous", "chunked")
 TOKEN = 7  # what the fake runner samples, every time

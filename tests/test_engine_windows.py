@@ -16,9 +16,9 @@ import pytest
 
 from conftest import WINDOWED_CONFIGS, HFReference, save_checkpoint, token_prompts
 from kvscope.engine import LLM, LLMEngine, SamplingParams
-from kvscope.engine.block_manager import blocks_needed
+from kvscope.engine.kv.block_manager import blocks_needed
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 MAX_TOKENS = 30
 WINDOWS = {"mistral-w24": 24, "qwen3-hybrid-w20": 20, "qwen2-w13": 13}

@@ -18,7 +18,7 @@ import pytest
 from _helpers import free_port, wait_for
 
 from kvscope.cli import main
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 
@@ -164,8 +164,8 @@ def test_a_publisher_without_heartbeats_stays_quiet():
 def test_heartbeats_alone_show_an_idle_engine_live_whichever_starts_first(dashboard_first):
     pytest.importorskip("zmq")
     from kvscope.protocol.transport import ZmqPublisher
-    from kvscope.tui.sources import LiveSource
-    from kvscope.tui.state import CONN_LIVE
+    from kvscope.tui.sources.live import LiveSource
+    from kvscope.tui.model.state import CONN_LIVE
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     source = pub = None
@@ -193,7 +193,7 @@ def test_the_header_says_idle_when_live_with_nothing_to_do(monkeypatch):
     from textual.geometry import Size
 
     from kvscope.tui.palette import get_palette
-    from kvscope.tui.state import CONN_LIVE, TuiState
+    from kvscope.tui.model.state import CONN_LIVE, TuiState
     from kvscope.tui.widgets.header import HeaderBar
 
     monkeypatch.setattr(HeaderBar, "size", property(lambda self: Size(200, 2)))  # drawn unmounted, 200 wide
@@ -219,7 +219,7 @@ def test_a_demo_whose_engine_dies_at_start_exits_cleanly_with_its_error():
     pytest.importorskip("textual")
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.feeds import LiveFeed
-    from kvscope.tui.sources import LiveSource
+    from kvscope.tui.sources.live import LiveSource
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     source = LiveSource(addr, None)
@@ -243,7 +243,7 @@ def test_a_demo_whose_engine_dies_at_start_exits_cleanly_with_its_error():
 
 
 def test_demo_moves_off_a_taken_port_and_says_so(capsys):
-    from kvscope.tui.demo import free_if_taken
+    from kvscope.tui.launch.demo import free_if_taken
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Linear layers over GGUF blocks (kernels/gguf_linear.py, csrc/cpu_gguf.cpp; engine/gguf_blocks.py).
+"""Linear layers over GGUF blocks (kernels/cpu/gguf_linear.py, csrc/cpu_gguf.cpp; engine/loader/gguf_blocks.py).
 
 The weights a block widens to are gguf-py's dequantized values (what transformers loads), rounded
 to the activations' dtype, bit for bit; the product is a dense GEMM's up to summation order; the
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.errors import KvscopeError
-from kvscope.kernels import cpu_attention, gguf_linear
+from kvscope.errors import KvscopeError
+from kvscope.kernels.cpu import library as cpu_attention
+from kvscope.kernels.cpu import gguf_linear
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
@@ -161,7 +162,7 @@ def test_the_op_refuses_bad_shapes_in_one_line():
 
 
 def test_unpermute_rows_undoes_llama_cpp_q_k_order():
-    from kvscope.engine.gguf_blocks import unpermute_rows
+    from kvscope.engine.loader.gguf_blocks import unpermute_rows
 
     heads, rows = 3, 24
     checkpoint = torch.arange(rows)
@@ -174,8 +175,8 @@ def test_unpermute_rows_undoes_llama_cpp_q_k_order():
 
 def test_the_real_files_blocks_are_the_weights_transformers_loaded(smollm2_path):
     """Every layer, in kvscope's row order (q/k un-permuted, q/k/v and gate/up fused), bit for bit."""
-    from kvscope.engine.gguf import load_gguf
-    from kvscope.engine.gguf_blocks import read_weights
+    from kvscope.engine.loader.gguf import load_gguf
+    from kvscope.engine.loader.gguf_blocks import read_weights
 
     model, _, _ = load_gguf(smollm2_path, torch.float32, "cpu")
     weights = read_weights(smollm2_path, model.config)
@@ -194,8 +195,8 @@ def test_the_real_files_blocks_are_the_weights_transformers_loaded(smollm2_path)
 
 
 def test_a_truncated_file_is_refused_in_one_line(smollm2_path, tmp_path):
-    from kvscope.engine.gguf import load_gguf
-    from kvscope.engine.gguf_blocks import read_weights
+    from kvscope.engine.loader.gguf import load_gguf
+    from kvscope.engine.loader.gguf_blocks import read_weights
 
     model, _, _ = load_gguf(smollm2_path, torch.float32, "cpu")
     cut = tmp_path / "cut.gguf"
@@ -220,7 +221,7 @@ def test_quantization_is_checked_in_one_line():
 def test_many_rows_go_to_the_dense_weight_beside_the_blocks():
     """A few rows (a chat stream's decode) read the blocks; a prefill chunk or a large batch is arithmetic-bound
     and runs on the model's dense weight of the same layer."""
-    from kvscope.engine.gguf_blocks import BLOCKS_MAX_ROWS, GgufLinear
+    from kvscope.engine.loader.gguf_blocks import BLOCKS_MAX_ROWS, GgufLinear
 
     blocks = random_blocks(16, 64, 3)
     calls = []
@@ -270,7 +271,7 @@ def test_the_hello_says_the_blocks_ran_and_the_header_shows_it(smollm2_path, tmp
 def test_the_blocks_take_the_models_bias_for_their_weight():
     """Qwen2's q/k/v carry biases (F32 tensors beside the blocks, loaded by transformers): the blocks' layer adds the
     model's own, fused in the blocks' row order, with zeros for a part that has none."""
-    from kvscope.engine.gguf_blocks import GgufLinear
+    from kvscope.engine.loader.gguf_blocks import GgufLinear
 
     blocks = random_blocks(24, 64, 3)
     q, k, v = (torch.nn.Linear(64, n, bias=b) for n, b in ((8, True), (8, False), (8, True)))
@@ -290,8 +291,8 @@ def test_hostile_headers_are_refused_in_one_line(tmp_path):
 
     import gguf
 
-    from kvscope.engine.gguf import read_header
-    from kvscope.engine.gguf_blocks import read_weights
+    from kvscope.engine.loader.gguf import read_header
+    from kvscope.engine.loader.gguf_blocks import read_weights
     from test_hostile_inputs import _llama_gguf
 
     config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvscope.analysis.goodput import (
+from kvscope.goodput import (
     NO_SLO,
     GoodputTally,
     RequestRecord,
@@ -101,7 +101,7 @@ def _dashboard(path, slo):
 
 
 def _report_row(path, slo):
-    from kvscope.analysis.goodput import resolve_slo
+    from kvscope.goodput import resolve_slo
     from kvscope.traces.figures import figures_of
     from kvscope.traces.reader import TraceReader
 
@@ -110,7 +110,7 @@ def _report_row(path, slo):
 
 
 def test_the_trace_records_its_slo(raced):
-    from kvscope.analysis.goodput import slo_of
+    from kvscope.goodput import slo_of
     from kvscope.traces.reader import TraceReader
 
     for row in raced["rows"]:
@@ -289,7 +289,7 @@ async def _header_and_detail(raced):
 
 
 def test_a_trace_written_with_the_largest_slo_reads_back(tmp_path):
-    from kvscope.analysis.goodput import MAX_SLO_MS, slo_of
+    from kvscope.goodput import MAX_SLO_MS, slo_of
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.traces.reader import TraceReader
     from kvscope.traces.writer import TraceWriter
@@ -308,7 +308,7 @@ def test_compare_strip_and_columns_show_goodput_and_cost(raced):
 
 
 async def _compare(raced):
-    from kvscope.tui.compare_app import make_compare_app
+    from kvscope.tui.launch.compare import make_compare_app
     from kvscope.tui.widgets.run_column import RunNumbers
 
     paths = [r["trace"] for r in raced["rows"]]
@@ -346,7 +346,7 @@ def test_a_knob_that_wins_throughput_and_loses_goodput_is_refused_only_with_an_s
 def test_overview_row_shows_goodput_beside_tok_s(raced):
     from kvscope.tui.feeds import ReplayFeed
     from kvscope.tui.screens.overview import row_cells
-    from kvscope.tui.sources import ReplayController, open_trace
+    from kvscope.tui.sources.replay import ReplayController, open_trace
 
     trace = open_trace(raced["rows"][0]["trace"])
     cursor = ReplayController(trace, playing=False, slo=parse_slo("e2el:1e6"))

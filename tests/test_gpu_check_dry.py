@@ -1,4 +1,4 @@
-"""bench/gpu_check.py --dry-run walks every section on CPU (tiny shapes, Triton interpreter, tiny model)."""
+"""benchmarks/gpu_check.py --dry-run walks every section on CPU (tiny shapes, Triton interpreter, tiny model)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_gpu_check_dry_run_writes_the_issue_json_shape_and_survives_a_failing_section(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--out",
                            str(tmp_path), "--sections", "correctness,bogus,decode,e2e:chunked"], capture_output=True, text=True, env=env,
                           timeout=300)
     # "bogus" fails in its own child process; the sections after it still run

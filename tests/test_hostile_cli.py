@@ -13,7 +13,7 @@ import pytest
 from _helpers import free_port
 
 from kvscope.cli import main
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,7 +186,7 @@ def test_process_level_no_traceback_and_demo_engine_failure_is_reported(tmp_path
                          text=True, env=env, timeout=300)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
-    from kvscope.tui.demo import run_demo
+    from kvscope.tui.launch.demo import run_demo
 
     with pytest.raises(KvscopeError) as e:  # it returns (with a generous timeout inside), never hangs
         run_demo(device="cpu", events_addr=f"tcp://127.0.0.1:{free_port()}",

@@ -28,7 +28,7 @@ from _helpers import DEADLINE_S
 from kvscope.cli import main
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from tests._serve import serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,7 +293,7 @@ def test_prompt_tokens_metrics_count_as_vllm_does():
 VLLM_TRACE = os.path.join(ROOT, "traces", "vllm", "kvscope-as-vllm.kvtrace")
 
 
-@pytest.mark.parametrize("value", ["this:Zen", "os:getcwd", "kvscope.engine.policies:SJF", "sjf", "FCFS", ""])
+@pytest.mark.parametrize("value", ["this:Zen", "os:getcwd", "kvscope.engine.sched.policies:SJF", "sjf", "FCFS", ""])
 def test_vllm_scheduling_policy_takes_vllms_names_only(value, capsys):
     assert main(["diagnose", VLLM_TRACE, "--gpu", "h100-sxm5", "--no-what-if",
                  "--vllm-scheduling-policy", value]) == 2
@@ -303,14 +303,14 @@ def test_vllm_scheduling_policy_takes_vllms_names_only(value, capsys):
 
 
 def test_a_recorded_policy_never_reaches_the_importer():
-    from kvscope.adapters.vllm_diagnose import _sim_policy
+    from kvscope.vllm.diagnose.run import _sim_policy
 
     assert [_sim_policy(p) for p in ("fcfs", "priority", "this:Zen", None, 5)] == ["fcfs", "priority", "fcfs",
                                                                                    "fcfs", "fcfs"]
 
 
 def test_vllm_flags_check_their_policy_without_the_cli():
-    from kvscope.adapters.vllm_signals import vllm_scheduling_policy
+    from kvscope.vllm.diagnose.signals import vllm_scheduling_policy
 
     with pytest.raises(KvscopeError, match="fcfs, priority"):
         vllm_scheduling_policy("this:Zen")
@@ -390,21 +390,21 @@ def test_a_header_declaring_more_layers_than_its_tensors_is_refused(tmp_path, ca
 
 
 def test_a_layer_missing_one_tensor_is_refused(tmp_path):
-    from kvscope.engine.models import load_model
+    from kvscope.engine.loader.models import load_model
 
     with pytest.raises(KvscopeError, match="blk.1.ffn_up.weight"):
         load_model(_llama_gguf(tmp_path / "hole.gguf", 2, 2, drop="blk.1.ffn_up"), None, "cpu")
 
 
 def test_a_whole_small_gguf_still_loads(tmp_path):
-    from kvscope.engine.models import load_model
+    from kvscope.engine.loader.models import load_model
 
     loaded = load_model(_llama_gguf(tmp_path / "ok.gguf", 2, 2), "float32", "cpu")
     assert loaded.num_layers == 2
 
 
 def test_a_header_array_budget_bounds_nested_arrays(tmp_path, monkeypatch):
-    from kvscope.engine import gguf as kv_gguf
+    from kvscope.engine.loader import gguf as kv_gguf
 
     # arrays of empty arrays of strings: each array fits MAX_ARRAY, the entries visited together do not
     # (the budget made small here, so the file is too; the real one is 2^24)
@@ -552,7 +552,7 @@ def test_concurrent_hostile_renders_leave_the_server_serving(trusted):
     b"",  # the tensors it claims are not there
 ])
 def test_hostile_tensor_infos_are_one_line(tmp_path, tail):
-    from kvscope.engine import gguf as kv_gguf
+    from kvscope.engine.loader import gguf as kv_gguf
 
     kv = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
     path = tmp_path / "t.gguf"

@@ -19,9 +19,9 @@ import pytest  # noqa: E402
 
 from conftest import token_prompts  # noqa: E402
 from kvscope.engine import LLM, SamplingParams  # noqa: E402
-from kvscope.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
+from kvscope.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from kvscope.kernels import AttentionOps  # noqa: E402
-from kvscope.kernels import triton_attention  # noqa: E402
+from kvscope.kernels.triton import attention as triton_attention  # noqa: E402
 
 TRITON_OPS = AttentionOps("triton", triton_attention.write_kv, triton_attention.paged_attention)
 
@@ -52,7 +52,8 @@ def test_windowed_checkpoints_on_triton_kernels_match_transformers(windowed_mode
 
 
 def test_selection_triton_on_cuda_the_paged_kernel_on_cpu_references_elsewhere(monkeypatch):
-    from kvscope.kernels import cpu_attention, reference, select_attention_ops
+    from kvscope.kernels import reference, select_attention_ops
+    from kvscope.kernels.cpu import library as cpu_attention
 
     assert select_attention_ops("cpu").paged_attention is cpu_attention.paged_attention
     assert select_attention_ops("mps").paged_attention is reference.paged_attention
@@ -98,7 +99,7 @@ def test_decode_graph_buffers_give_the_eager_logits():
                                  {"gpu_memory_utilization": 1.5}])
 def test_gpu_settings_are_validated(bad):
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.errors import KvscopeError
+    from kvscope.errors import KvscopeError
 
     with pytest.raises(KvscopeError):
         EngineConfig(**bad).validate()
@@ -106,9 +107,9 @@ def test_gpu_settings_are_validated(bad):
 
 def test_kv_budget_arithmetic_with_a_real_dummy_forward(monkeypatch):
     """cuda_kv_budget on CPU with torch.cuda's memory queries faked: the runner's worst-case step really runs."""
-    from kvscope.engine import kv_sizing
-    from kvscope.engine.model_runner import ModelRunner
-    from kvscope.engine.models import load_model
+    from kvscope.engine.worker import kv_sizing
+    from kvscope.engine.worker.model_runner import ModelRunner
+    from kvscope.engine.loader.models import load_model
 
     gib = 1 << 30
     calls = []

@@ -4,7 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported, so it is set here
 at import time; nothing in kvscope imports triton outside kvscope.kernels.triton_*.
 Shapes are tiny: interpreter time grows with grid size x loop trips. fp32 and
 fp16 only (the interpreter's bf16 tl.dot is wrong); bf16 is checked on the GPU
-by bench/gpu_check.py.
+by benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import pytest  # noqa: E402
 from kvscope.kernels import reference  # noqa: E402
 from kvscope.kernels import testing  # noqa: E402
 
-from kvscope.kernels import triton_attention, triton_decode, triton_kv, triton_prefill  # noqa: E402
+from kvscope.kernels.triton import attention as triton_attention  # noqa: E402
+from kvscope.kernels.triton import decode as triton_decode  # noqa: E402
+from kvscope.kernels.triton import kv as triton_kv  # noqa: E402
+from kvscope.kernels.triton import prefill as triton_prefill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-4, torch.float16: 2e-2}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.engine import kv_sizing
-from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.engine.worker import kv_sizing
+from kvscope.errors import KvscopeError
+from kvscope.engine.errors import RequestRejected
 
 GiB = 1 << 30
 # tiny: 4 layers x K,V x 16 tokens x 2 KV heads x dim 32 x fp32. The engines here pin float32: --dtype auto

@@ -1,4 +1,5 @@
-"""The package's shape: heavy imports stay off the paths that do not need them, and no import cycles."""
+"""The package's shape: its layers as docs/ARCHITECTURE.md draws them, heavy imports kept off the paths that do
+not need them, one path for KvscopeError, and no import cycles."""
 
 from __future__ import annotations
 
@@ -174,3 +175,105 @@ def test_every_command_is_its_own_module():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ---- layers ----------------------------------------------------------------------------------
+# Which kvscope packages each package may import (function-level imports included), docs/ARCHITECTURE.md's
+# picture as a table. A module at kvscope's top (errors, quantiles, ...) counts as a package of its own.
+BASE = {"kvscope.errors", "kvscope.quantiles", "kvscope.goodput", "kvscope.cpu_isa", "kvscope.openmp_wait"}
+LAYERS = {
+    "kvscope.errors": set(),
+    "kvscope.quantiles": set(),
+    "kvscope.goodput": {"kvscope.errors"},
+    "kvscope.cpu_isa": set(),
+    "kvscope.openmp_wait": set(),
+    "kvscope.output_paths": BASE,
+    "kvscope.child": BASE,
+    "kvscope.protocol": BASE,
+    "kvscope.traces": BASE | {"kvscope.protocol"},
+    "kvscope.workload": BASE | {"kvscope.protocol"},
+    "kvscope.kernels": BASE,
+    "kvscope.engine": BASE | {"kvscope.protocol", "kvscope.kernels"},
+    "kvscope.analysis": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.engine"},
+    "kvscope.vllm": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.engine", "kvscope.analysis", "kvscope.child"},
+    "kvscope.serve": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.workload", "kvscope.engine",
+                             "kvscope.analysis", "kvscope.output_paths"},
+    "kvscope.report": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.analysis", "kvscope.output_paths"},
+    "kvscope.bench": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.workload", "kvscope.engine",
+                             "kvscope.analysis", "kvscope.serve", "kvscope.vllm"},
+    "kvscope.tui": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.engine", "kvscope.analysis",
+                           "kvscope.vllm", "kvscope.child"},
+    "kvscope.tour": BASE | {"kvscope.protocol", "kvscope.traces", "kvscope.engine", "kvscope.analysis", "kvscope.tui"},
+    "kvscope.adapters": {"kvscope.vllm"},  # the dotted paths users type into vLLM, kept
+}
+# The engine's torch-free core: what the scheduler and the KV cache's bookkeeping may import.
+CORE = ("kvscope.engine.sched", "kvscope.engine.kv")
+CORE_MAY_IMPORT = BASE | {"kvscope.protocol", "kvscope.engine.sched", "kvscope.engine.kv", "kvscope.engine.config",
+                          "kvscope.engine.request", "kvscope.engine.sampling_params"}
+
+
+def _package(module: str, depth: int = 2) -> str:
+    return ".".join(module.split(".")[:depth])
+
+
+def _crossings(graph, allowed, owner) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        pkg = owner(mod)
+        if pkg not in allowed:
+            continue
+        for dep in sorted(deps):
+            target = next((t for t in allowed[pkg] | {pkg} if dep == t or dep.startswith(t + ".")), None)
+            if target is None and dep != "kvscope":
+                bad.append(f"{mod} imports {dep}")
+    return bad
+
+
+def test_packages_import_only_the_layers_below_them():
+    graph = _import_graph()
+    packages = {_package(m) for m in graph if m != "kvscope"} - {"kvscope.cli", "kvscope.__main__"}
+    assert packages <= set(LAYERS), f"a package with no row in LAYERS: {sorted(packages - set(LAYERS))}"
+    assert _crossings(graph, LAYERS, _package) == []
+
+
+def test_the_scheduler_and_the_kv_bookkeeping_import_only_the_engine_core():
+    graph = _import_graph()
+    core = {m: d for m, d in graph.items() if m.startswith(CORE)}
+    assert len(core) >= 8, sorted(core)  # sched and kv found
+    owner = lambda m: "core"  # noqa: E731
+    assert _crossings(core, {"core": CORE_MAY_IMPORT}, owner) == []
+
+
+def test_the_scheduler_and_the_kv_bookkeeping_load_no_torch():
+    graph = _import_graph()
+    core = sorted(m for m in graph if m.startswith(CORE))
+    assert _loaded_heavy("import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in core)) == []
+
+
+def test_kvscope_error_has_one_import_path():
+    """Every module takes KvscopeError from kvscope.errors (kvscope.engine re-exports it lazily, for users)."""
+    found = []
+    for name, path in _modules().items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "KvscopeError" for a in node.names):
+                if node.module != "kvscope.errors":
+                    found.append(f"{name}: from {node.module} import KvscopeError")
+    assert found == []
+
+
+def test_the_layer_check_sees_a_crossing():
+    graph = {"kvscope.engine.llm_engine": {"kvscope.vllm.inproc.scheduler", "kvscope.protocol.events"}}
+    assert _crossings(graph, LAYERS, _package) == ["kvscope.engine.llm_engine imports kvscope.vllm.inproc.scheduler"]
+
+
+def test_the_dotted_paths_users_type_into_vllm_still_resolve():
+    """``--scheduler-cls kvscope.adapters.vllm_watch.WatchedScheduler`` and the plugin's old entry point."""
+    pytest = __import__("pytest")
+    pytest.importorskip("vllm")
+    from kvscope.adapters import vllm_plugin, vllm_watch
+    from kvscope.vllm.inproc import plugin, watched
+
+    assert vllm_watch.WatchedScheduler is watched.WatchedScheduler
+    assert vllm_plugin.KvscopeStatLogger is plugin.KvscopeStatLogger

@@ -1,5 +1,5 @@
 """A plain llama entry of the converted-model cache is read without transformers' model classes
-(engine/light_llama.py): the same weights under the same names, the same rotary tables, the same
+(engine/loader/light_llama.py): the same weights under the same names, the same rotary tables, the same
 greedy tokens, and anything else is left to transformers' loader."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from _cpu import BF16_PACKING_WHY_NOT, expected_forward
 from conftest import HFReference, token_prompts
-from kvscope.engine import model_cache
-from kvscope.engine.decoder import FORCE_ENV
-from kvscope.engine.light_llama import LightLlamaForCausalLM, unsupported
+from kvscope.engine.loader import model_cache
+from kvscope.engine.cpu.decoder import FORCE_ENV
+from kvscope.engine.loader.light_llama import LightLlamaForCausalLM, unsupported
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
@@ -75,7 +75,9 @@ def test_the_light_model_holds_transformers_weights_and_rotary_tables(cache, tie
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_an_engine_on_the_light_model_gives_transformers_greedy_tokens(cache, tied, monkeypatch):
-    from kvscope.engine import LLM, SamplingParams, model_backend, models
+    from kvscope.engine import LLM, SamplingParams
+    from kvscope.engine.worker import model_backend
+    from kvscope.engine.loader import models
 
     light = cached(cache, llama(tied))
     reference = HFReference(transformers_reading(cache))
@@ -145,7 +147,7 @@ def test_the_real_models_start_imports_no_transformers_model_code(smollm2_path):
         "heavy = [m for m in ('transformers.models.llama.modeling_llama', 'torch._dynamo') if m in sys.modules]\n"
         "print(type(llm.engine.loaded.model).__name__, llm.engine.runner.forward_name, heavy)\n"
         "from transformers import AutoTokenizer\n"
-        "from kvscope.engine.model_cache import entry_for\n"
+        "from kvscope.engine.loader.model_cache import entry_for\n"
         f"auto = AutoTokenizer.from_pretrained(entry_for({smollm2_path!r}, llm.engine.backend.torch_dtype).path)\n"
         "mine = llm.engine.loaded.tokenizer\n"
         "chat = [{'role': 'user', 'content': 'Why is the sky blue? ünïcödé'}]\n"

@@ -1,4 +1,4 @@
-"""The converted-model cache (kvscope/engine/model_cache.py): a GGUF converted once, read back directly.
+"""The converted-model cache (kvscope/engine/loader/model_cache.py): a GGUF converted once, read back directly.
 
 These tests stand a small built-in model in for transformers' GGUF conversion (the injected
 `convert`), so they run in seconds; tests/test_engine_gguf.py runs the real SmolLM2 file
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from kvscope.engine import model_cache
-from kvscope.engine.models import build_builtin
+from kvscope.engine.loader import model_cache
+from kvscope.engine.loader.models import build_builtin
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_the_cache_can_be_turned_off(cache, source, monkeypatch):
 
 
 def test_a_model_an_engine_already_packed_is_not_written(cache, source):
-    from kvscope.engine.cpu_linear import pack_linears, packing_unavailable
+    from kvscope.engine.cpu.linear import pack_linears, packing_unavailable
 
     if packing_unavailable(torch.float32):
         pytest.skip("this torch packs no linear layers")

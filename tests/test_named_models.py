@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from kvscope.cli import main
-from kvscope.engine import gguf as kv_gguf
-from kvscope.engine import named_models
-from kvscope.engine.errors import KvscopeError
-from kvscope.engine.models import load_model
+from kvscope.engine.loader import gguf as kv_gguf
+from kvscope.engine.loader import named_models
+from kvscope.errors import KvscopeError
+from kvscope.engine.loader.models import load_model
 
 
 def write_gguf(path, arch: str, qtype=None) -> str:
@@ -169,6 +169,6 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 
 def test_the_fetch_command_lists_every_named_model():
     from kvscope.cli.fetch import FETCHABLE
-    from kvscope.engine.named_models import NAMED_MODELS
+    from kvscope.engine.loader.named_models import NAMED_MODELS
 
     assert FETCHABLE == list(NAMED_MODELS)

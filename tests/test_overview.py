@@ -87,7 +87,7 @@ async def test_sort_filter_and_open(streams):
 
 @pytest.mark.anyio
 async def test_a_vllm_row_beside_kvscope_rows(streams):
-    from kvscope.adapters.vllm_source import VllmSource
+    from kvscope.vllm.watch.source import VllmSource
     from kvscope.tui.feeds import VllmFeed
     from kvscope.tui.screens.vllm import VllmScreen
     from tests.fakes.vllm import FakeMetricsServer

@@ -30,7 +30,7 @@ from kvscope.protocol import (
 )
 from kvscope.protocol.codec import MAX_DEPTH, MAX_ERROR_LEN, MAX_LIST_LEN
 from kvscope.protocol.control import validate_control
-from kvscope.tui.state import MAX_TRACKED_BLOCKS, new_state, picture, reduce
+from kvscope.tui.model.state import MAX_TRACKED_BLOCKS, new_state, picture, reduce
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -412,7 +412,7 @@ def test_live_tui_stays_bounded_and_drawing_under_a_flood_of_big_and_bad_frames(
 
     from kvscope.protocol.pubsub import ZmqPublisher
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.sources import LiveSource
+    from kvscope.tui.sources.live import LiveSource
 
     pub = ZmqPublisher("tcp://127.0.0.1:0", hwm=100_000, queue_size=100_000)
     src = LiveSource(pub.addr, None)
@@ -459,7 +459,7 @@ def test_live_tui_stays_bounded_and_drawing_under_a_flood_of_big_and_bad_frames(
 
 
 def test_live_backlog_is_capped_in_bytes_and_drops_the_oldest():
-    from kvscope.tui.sources import LiveSource
+    from kvscope.tui.sources.live import LiveSource
 
     # ~100 KB each: the caps below are counted in frames of this size, so a larger frame proves nothing
     # more and costs a second of encoding each on a loaded machine

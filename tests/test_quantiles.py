@@ -20,7 +20,7 @@ import pytest
 from kvscope.quantiles import QuantileSketch, nearest_rank, percentile
 from kvscope.traces.reader import TraceReader
 from kvscope.tui import fmt
-from kvscope.tui.histogram import LogHistogram
+from kvscope.tui.model.histogram import LogHistogram
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = sorted(glob.glob(os.path.join(ROOT, "traces", "*.kvtrace")))
@@ -148,7 +148,7 @@ def _parse(text: str) -> float:
 def test_dashboard_figures_after_replay_to_the_end_and_seeking_back():
     """The shown p50/p90/p99 are the trace's own within 1%."""
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.sources import ReplayController, open_trace
+    from kvscope.tui.sources.replay import ReplayController, open_trace
     from kvscope.tui.widgets import LatencyPanel
 
     path = os.path.join(ROOT, "traces", "demo-cpu.kvtrace")

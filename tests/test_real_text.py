@@ -10,7 +10,7 @@ from msgspec import UNSET
 
 from kvscope.protocol import codec
 from kvscope.protocol.events import Finish, KvCounters, OutputText, RequestEvent, StepEvent
-from kvscope.tui.state import TuiState, reduce
+from kvscope.tui.model.state import TuiState, reduce
 from kvscope.workload.text_prompts import TextPrompts, load_texts
 
 

@@ -15,7 +15,7 @@ from _helpers import DEADLINE_S
 import torch
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.tokenizer import ByteTokenizer
+from kvscope.engine.loader.tokenizer import ByteTokenizer
 from kvscope.serve import openai_protocol as oa
 from tests._serve import serving
 from tests.fakes.faults import FaultySampler

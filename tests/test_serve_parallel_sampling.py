@@ -1,6 +1,6 @@
 """Parallel sampling over HTTP: `n` choices from one request, the prompt's KV blocks shared n ways.
 
-The engine forks the request into n sequences (kvscope/engine/scheduler.py); the server answers
+The engine forks the request into n sequences (kvscope/engine/sched/scheduler.py); the server answers
 them as choices 0..n-1, streamed (each chunk names its choice, each choice ends with its own
 finish_reason) and not. usage counts the prompt once and sums the choices. Completions'
 best_of keeps the n best by cumulative logprob; chat's echo starts the content with the
@@ -18,7 +18,7 @@ import pytest
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import MAX_N
 from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
-from kvscope.tui.state import new_state, reduce
+from kvscope.tui.model.state import new_state, reduce
 from kvscope.tui.widgets.request import BlockTablePanel
 from tests._serve import serving
 from tests.fakes.faults import FaultySampler

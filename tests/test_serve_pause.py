@@ -76,7 +76,7 @@ def test_wall_clock_without_pause_keeps_exact_arrival_times():
 
 def test_the_demo_engine_runs_its_traffic_on_the_step_clock():
     from kvscope.cli import build_parser
-    from kvscope.tui.demo import demo_command
+    from kvscope.tui.launch.demo import demo_command
 
     args = build_parser().parse_args(demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002")[3:])
     assert args.forever and args.step_clock == 0.01 and args.max_num_seqs == 16 and args.num_blocks == 256

@@ -11,7 +11,7 @@ import pytest
 
 from kvscope.engine.clock import VirtualClock
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import CostModel, Efficiency, StepShape
 from kvscope.workload import WorkloadRequest
@@ -174,7 +174,7 @@ def test_sim_events_replay_through_traces_and_reducer(tmp_path):
     from kvscope.protocol.events import StepEvent
     from kvscope.traces.reader import TraceReader
     from kvscope.traces.writer import TraceWriter
-    from kvscope.tui.state import new_state, reduce_all
+    from kvscope.tui.model.state import new_state, reduce_all
 
     path = tmp_path / "sim.kvtrace"
     engine = LLMEngine(_sim_config(num_blocks=40))  # small: preemptions happen

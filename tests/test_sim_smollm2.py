@@ -13,8 +13,8 @@ from kvscope.analysis.calibrate import fit_caution, resolve_names
 from kvscope.analysis.diagnose import diagnose_trace
 from kvscope.analysis.report import format_text
 from kvscope.cli import main
-from kvscope.engine.errors import KvscopeError
-from kvscope.engine.gguf import read_header
+from kvscope.errors import KvscopeError
+from kvscope.engine.loader.gguf import read_header
 from kvscope.engine.sim import catalog
 from kvscope.traces.reader import engine_trace
 

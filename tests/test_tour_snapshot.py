@@ -10,7 +10,7 @@ from fakes.sources import ListSource
 from fakes.streams import sim_stream
 
 from kvscope.tour.driver import FROZEN, TourStatus
-from kvscope.tui.tour_app import tour_app
+from kvscope.tui.launch.tour import tour_app
 
 
 class StillTour:

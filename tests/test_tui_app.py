@@ -17,11 +17,12 @@ from kvscope.protocol import decode, encode
 from kvscope.protocol.events import StepEvent
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.feeds import ReplayFeed
-from kvscope.tui.player import Player
+from kvscope.tui.model.player import Player
 from kvscope.tui.palette import CB
 from kvscope.tui.screens import HelpScreen, RequestDetailScreen, SeekScreen
-from kvscope.tui.sources import LiveSource, ReplayController
-from kvscope.tui.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE
+from kvscope.tui.sources.live import LiveSource
+from kvscope.tui.sources.replay import ReplayController
+from kvscope.tui.model.state import CONN_CONNECTING, CONN_DISCONNECTED, CONN_LIVE
 from kvscope.tui.widgets import BlockMap, HeaderBar, QueueTable
 
 

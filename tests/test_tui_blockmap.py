@@ -9,7 +9,7 @@ from fakes.streams import sim_stream
 
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.palette import DEFAULT, owner_color
-from kvscope.tui.state import new_state, reduce_all
+from kvscope.tui.model.state import new_state, reduce_all
 from kvscope.tui.widgets import BlockMap
 from kvscope.tui.widgets.blockmap import G_CACHED, G_FREE, G_SELECTED, G_SHARED, G_USED, cells_for
 

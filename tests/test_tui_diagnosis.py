@@ -15,7 +15,7 @@ from kvscope.engine.llm_engine import LLMEngine
 from kvscope.serve.driver import ServeOptions, Server
 from kvscope.tui.app import KvscopeApp
 from kvscope.tui.screens import DiagnosisScreen
-from kvscope.tui.state import CONN_LIVE
+from kvscope.tui.model.state import CONN_LIVE
 
 
 def async_test(f):

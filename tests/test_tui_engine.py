@@ -10,7 +10,7 @@ import pytest
 from _helpers import DEADLINE_S, async_wait_for, free_port, wait_for
 
 from kvscope.protocol.events import StepEvent
-from kvscope.tui.state import new_state, picture, reduce, reduce_all
+from kvscope.tui.model.state import new_state, picture, reduce, reduce_all
 
 pytest.importorskip("zmq")
 pytest.importorskip("torch")
@@ -48,9 +48,10 @@ class Recording:
 @pytest.mark.slow
 def test_live_engine_then_replay_equals_live(tmp_path):
     from kvscope.tui.app import KvscopeApp
-    from kvscope.tui.supervise import start_engine, stop_engine
+    from kvscope.tui.launch.supervise import start_engine, stop_engine
     from kvscope.protocol.transport import ControlClient
-    from kvscope.tui.sources import LiveSource, ReplayController, open_trace
+    from kvscope.tui.sources.live import LiveSource
+    from kvscope.tui.sources.replay import ReplayController, open_trace
 
     ev_addr = f"tcp://127.0.0.1:{free_port()}"
     ctl_addr = f"tcp://127.0.0.1:{free_port()}"
@@ -122,9 +123,9 @@ def test_late_join_engine_exit_and_restart(tmp_path):
     """Join a running engine late, see it go away, then a new engine on the same ports."""
     from kvscope.tui.app import KvscopeApp
     from kvscope.protocol.transport import Subscriber
-    from kvscope.tui.demo import demo_command
-    from kvscope.tui.supervise import start_engine, stop_engine
-    from kvscope.tui.sources import LiveSource
+    from kvscope.tui.launch.demo import demo_command
+    from kvscope.tui.launch.supervise import start_engine, stop_engine
+    from kvscope.tui.sources.live import LiveSource
 
     ev_addr = f"tcp://127.0.0.1:{free_port()}"
     ctl_addr = f"tcp://127.0.0.1:{free_port()}"

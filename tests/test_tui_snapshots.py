@@ -11,7 +11,7 @@ from fakes.sources import ListSource, MemoryTrace
 from fakes.streams import sim_stream
 
 from kvscope.tui.app import KvscopeApp
-from kvscope.tui.sources import ReplayController
+from kvscope.tui.sources.replay import ReplayController
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_help(snap_compare, events):
 
 def _with_slo(events, slo: str):
     """The same stream, its hello carrying an SLO (as `serve --slo` records it; docs/GOODPUT.md)."""
-    from kvscope.analysis.goodput import parse_slo
+    from kvscope.goodput import parse_slo
     from kvscope.protocol.events import HelloEvent
 
     return [HelloEvent(ev.version, {**ev.config.as_dict(), **parse_slo(slo).to_wire()}, ev.wall_start)

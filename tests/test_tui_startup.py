@@ -1,5 +1,5 @@
 """`kvscope replay`'s first frame needs only the trace's start: the step index is built afterwards,
-in the background (tui/step_index.py), and whatever needs an unindexed step waits for it."""
+in the background (tui/model/step_index.py), and whatever needs an unindexed step waits for it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from test_tui_tracefile import write_trace
 
 from kvscope.protocol.events import StepEvent
-from kvscope.tui.state import new_state, picture, reduce
+from kvscope.tui.model.state import new_state, picture, reduce
 
 STEPS = 1500  # 64-step chunks: about 24 of them, so the index has something to do after the first frame
 
@@ -31,7 +31,7 @@ def _live_at(events, step: int):
 
 
 def _controller(path: str, background: bool):
-    from kvscope.tui.sources import ReplayController, open_trace
+    from kvscope.tui.sources.replay import ReplayController, open_trace
 
     return ReplayController(open_trace(path), playing=False, clock=lambda: 0.0, index_in_background=background)
 
@@ -73,7 +73,7 @@ def events_last_step(events) -> int:
 
 
 def test_what_needs_an_unindexed_step_waits_for_the_index(big):
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
     path, events = big
     cursor = _controller(path, background=True)
@@ -129,9 +129,9 @@ def test_first_frames_import_neither_torch_nor_numpy():
         "App.run = headless\n"
         "from kvscope.cli import main\n"
         f"assert main(['replay', {trace!r}]) == 0\n"
-        "from kvscope.tui.demo import run_demo\n"
+        "from kvscope.tui.launch.demo import run_demo\n"
         "from kvscope.tui.feeds import LiveFeed\n"
-        "from kvscope.tui.sources import LiveSource\n"
+                "from kvscope.tui.sources.live import LiveSource\n"
         "LiveFeed(LiveSource('tcp://127.0.0.1:1', None, start=False))  # the demo's feed, diagnosis log and all\n"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n")
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

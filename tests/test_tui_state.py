@@ -35,8 +35,8 @@ from kvscope.protocol.events import (
     SnapshotEvent,
     StepEvent,
 )
-from kvscope.tui.histogram import LogHistogram
-from kvscope.tui.state import (
+from kvscope.tui.model.histogram import LogHistogram
+from kvscope.tui.model.state import (
     FINISHED_KEEP,
     HISTORY_STEPS,
     LOG_LEN,

@@ -10,7 +10,7 @@ import pytest
 from fakes.streams import SimRun
 
 from kvscope.protocol.events import StepEvent
-from kvscope.tui.state import new_state, picture, reduce, reduce_all
+from kvscope.tui.model.state import new_state, picture, reduce, reduce_all
 
 
 def write_trace(path, steps: int = 300, seed: int = 3) -> list:
@@ -46,7 +46,7 @@ def trace(tmp_path_factory):
 
 
 def test_replay_from_file_equals_live_at_step(trace):
-    from kvscope.tui.sources import ReplayController, open_trace
+    from kvscope.tui.sources.replay import ReplayController, open_trace
 
     path, events = trace
     rc = ReplayController(open_trace(path), playing=False, clock=lambda: 0.0)
@@ -93,7 +93,7 @@ def test_screenshots_cli(trace, tmp_path):
 
 
 def test_engine_child_is_stopped_without_orphans(tmp_path):
-    from kvscope.tui.supervise import start_engine, stop_engine
+    from kvscope.tui.launch.supervise import start_engine, stop_engine
 
     # A stand-in engine that ignores SIGTERM for a moment, then dies on SIGKILL at worst.
     code = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(SystemExit(0)));" \
@@ -107,7 +107,7 @@ def test_engine_child_is_stopped_without_orphans(tmp_path):
 
 
 def test_demo_command_line():
-    from kvscope.tui.demo import demo_command
+    from kvscope.tui.launch.demo import demo_command
 
     cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", device="cpu")
     assert cmd[:4] == [sys.executable, "-m", "kvscope.cli", "serve"]
@@ -119,7 +119,7 @@ def test_demo_command_line():
 def test_sim_demo_command_is_a_valid_sim_serve():
     from kvscope.cli import build_parser
     from kvscope.cli.common import engine_config as _engine_config
-    from kvscope.tui.demo import SIM_DEMO_MODEL, demo_command, sim_demo_args
+    from kvscope.tui.launch.demo import SIM_DEMO_MODEL, demo_command, sim_demo_args
 
     cmd = demo_command("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002", model=SIM_DEMO_MODEL, workload="mixed",
                        engine_args=sim_demo_args("h200"))

@@ -8,10 +8,10 @@ import httpx
 import msgspec
 import pytest
 
-from kvscope.adapters.vllm_cache import CacheView
-from kvscope.adapters.vllm_metrics import parse, quantile
-from kvscope.adapters.vllm_source import VllmSource
-from kvscope.adapters.vllm_wire import WireError, decode_batch
+from kvscope.vllm.watch.cache import CacheView
+from kvscope.vllm.watch.metrics import parse, quantile
+from kvscope.vllm.watch.source import VllmSource
+from kvscope.vllm.watch.wire import WireError, decode_batch
 from tests.fakes.vllm import FakeKvPublisher, FakeMetricsServer
 from tests._helpers import wait_for
 
@@ -200,7 +200,7 @@ def test_view_survives_garbage_on_the_socket():
 def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
     """zmq drops a publisher that sent a message over MAXMSGSIZE as a protocol error and never
     reconnects after one: every later batch was lost for good."""
-    from kvscope.adapters import vllm_source
+    from kvscope.vllm.watch import source as vllm_source
 
     monkeypatch.setattr(vllm_source, "MAX_MESSAGE_BYTES", 4096)
     pub = FakeKvPublisher(legacy=False)
@@ -222,8 +222,8 @@ def test_one_oversized_kv_message_does_not_leave_the_view_deaf(monkeypatch):
 
 
 def test_cache_view_is_bounded(monkeypatch):
-    from kvscope.adapters import vllm_cache
-    from kvscope.adapters.vllm_wire import Batch, Stored
+    from kvscope.vllm.watch import cache as vllm_cache
+    from kvscope.vllm.watch.wire import Batch, Stored
 
     monkeypatch.setattr(vllm_cache, "MAX_BLOCKS", 100)
     view = CacheView()
@@ -274,7 +274,7 @@ def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding)
     """At every checked step the adapter's cached-block count equals kvscope's registered prefix blocks."""
     import random
 
-    from kvscope.adapters.vllm_publisher import VllmKvPublisher
+    from kvscope.vllm.publish import VllmKvPublisher
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.sampling_params import SamplingParams
@@ -317,8 +317,8 @@ def test_kvscope_publishes_vllm_events_that_the_adapter_counts_exactly(encoding)
 def test_a_replay_longer_than_zmqs_send_queue_arrives_whole():
     """3,000 batches before the view starts: more than a ROUTER queues by default (1,000 messages).
     The publisher must not drop any of them, and the view ends with every block."""
-    from kvscope.adapters.vllm_publisher import VllmKvPublisher
-    from kvscope.engine.kv_events import BlockStored
+    from kvscope.vllm.publish import VllmKvPublisher
+    from kvscope.engine.kv.events import BlockStored
 
     pub = VllmKvPublisher(_free_addr(), _free_addr(), block_size=16)
     source = None
@@ -345,8 +345,8 @@ def test_a_replay_of_many_batches_under_load_gives_the_buffer_whole_and_counts_t
     import subprocess
     import sys
 
-    from kvscope.adapters.vllm_publisher import BUFFER_BATCHES, VllmKvPublisher
-    from kvscope.engine.kv_events import BlockRemoved
+    from kvscope.vllm.publish import BUFFER_BATCHES, VllmKvPublisher
+    from kvscope.engine.kv.events import BlockRemoved
 
     TOTAL = 25_000
     assert TOTAL > 2 * BUFFER_BATCHES
@@ -439,7 +439,7 @@ class EndlessMetrics:
 def test_an_endless_metrics_body_is_cut_at_the_byte_limit_while_streaming():
     import tracemalloc
 
-    from kvscope.adapters.vllm_metrics import MAX_TEXT_BYTES
+    from kvscope.vllm.watch.metrics import MAX_TEXT_BYTES
 
     server = EndlessMetrics()
     source = VllmSource(server.url)
@@ -468,7 +468,7 @@ def test_a_trickling_metrics_body_is_cut_at_the_scrape_budget():
 
 def test_record_of_an_endless_server_stops_at_its_duration(tmp_path):
     """`record --duration 1` of a server whose /metrics never ends: it returns, with a readable trace."""
-    from kvscope.adapters.vllm_record import record_vllm
+    from kvscope.vllm.watch.record import record_vllm
     from kvscope.traces.info import trace_info
 
     server = EndlessMetrics(trickle=True)
@@ -506,7 +506,7 @@ def test_nan_and_inf_samples_are_counted_and_skipped():
 @pytest.mark.anyio
 async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
     """Values that reach a panel another way (an older recording, a crafted trace) never crash it."""
-    from kvscope.adapters.vllm_metrics import Scrape
+    from kvscope.vllm.watch.metrics import Scrape
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.feeds import VllmFeed
 
@@ -533,7 +533,7 @@ async def test_the_vllm_panels_draw_inf_and_nan_values_from_anywhere():
 @pytest.mark.anyio
 async def test_the_vllm_panels_draw_the_largest_finite_values():
     """Finite is not small: 1e308 passes every isfinite check, and 8 * 1e308 or 1e308 * 20 overflows."""
-    from kvscope.adapters.vllm_metrics import Scrape
+    from kvscope.vllm.watch.metrics import Scrape
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.feeds import VllmFeed
 
@@ -665,8 +665,8 @@ def test_with_vllm_url_the_server_says_who_binds(vllm_endpoint):
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"0": {"endpoint": 5}}', b'{"0": "x"}', b"{" * 5000])
 def test_a_kv_event_sources_answer_that_makes_no_sense_leaves_the_view_connecting(body):
-    from kvscope.adapters.vllm_endpoints import vllm_connects_to
-    from kvscope.adapters.vllm_source import scrape_client
+    from kvscope.vllm.watch.endpoints import vllm_connects_to
+    from kvscope.vllm.watch.source import scrape_client
 
     server = FakeMetricsServer()
     server.kv_event_sources = body
@@ -689,7 +689,7 @@ def test_binding_a_non_loopback_address_is_refused_in_one_line():
 
 def test_a_trickling_server_gets_a_bounded_time_to_say_its_version_and_kv_sources():
     """GET /version and /kv_event_sources of a server that trickles forever give up within their budget."""
-    from kvscope.adapters.vllm_endpoints import server_version, vllm_connects_to
+    from kvscope.vllm.watch.endpoints import server_version, vllm_connects_to
 
     server = EndlessMetrics(trickle=True)
     try:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.adapters.vllm_diagnose import diagnose_state, diagnose_vllm_trace, recording
-from kvscope.adapters.vllm_signals import VllmFlags
-from kvscope.adapters.vllm_source import VllmState
+from kvscope.vllm.diagnose.run import diagnose_state, diagnose_vllm_trace, recording
+from kvscope.vllm.diagnose.signals import VllmFlags
+from kvscope.vllm.watch.source import VllmState
 from kvscope.analysis.diagnose import Diagnosis, diagnose_trace
 from kvscope.cli import main
 
@@ -140,7 +140,7 @@ def test_a_fresh_stand_in_recording_matches_the_shipped_verdict(tmp_path):
 
 def test_a_plugin_recorded_vllm_is_diagnosed_in_vllms_flags(tmp_path):
     """Per-step events from the stat-logger plugin go through the engine-trace path, knobs in vLLM's flags."""
-    from kvscope.adapters.vllm_plugin import StepMaker, engine_info
+    from kvscope.vllm.inproc.plugin import StepMaker, engine_info
     from kvscope.traces.writer import TraceWriter
     from tests.fakes import vllm_stats as S
     from tests.test_vllm_plugin import _step
@@ -166,8 +166,8 @@ def _record_http(path, moves: int, move) -> int:
     """Scrape the HTTP stand-in (tests/fakes/vllm.py) ``moves`` times through the recorder, ``move(i)`` before each."""
     import httpx
 
-    from kvscope.adapters.vllm_record import VllmRecorder
-    from kvscope.adapters.vllm_source import VllmSource
+    from kvscope.vllm.watch.record import VllmRecorder
+    from kvscope.vllm.watch.source import VllmSource
     from tests.fakes.vllm import FakeMetricsServer
 
     m = FakeMetricsServer()
@@ -296,8 +296,8 @@ def test_a_vllm_recordings_what_if_replays_through_vllms_own_scheduler():
     """With vLLM installed, the replays run vLLM's V1 scheduler on the sim (`--scheduler vllm`), and a
     --long-prefill-token-threshold knob, which only vLLM's scheduler has, gets a prediction."""
     pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM's scheduler is not installed (make vllm)")
-    from kvscope.adapters.vllm_diagnose import sim_settings, sim_knob
-    from kvscope.adapters.vllm_signals import read
+    from kvscope.vllm.diagnose.run import sim_settings, sim_knob
+    from kvscope.vllm.diagnose.signals import read
     from kvscope.analysis.knobs import Knob
     from kvscope.analysis.predict import apply_knob
     from kvscope.traces.reader import TraceReader

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by `make vllm`")
 
-from kvscope.adapters.vllm_core import VllmSchedulerSettings  # noqa: E402
+from kvscope.vllm.inproc.core import VllmSchedulerSettings  # noqa: E402
 from kvscope.protocol import codec  # noqa: E402
 from kvscope.protocol.blockmap import BlockMap  # noqa: E402
 from tests.vllm_drive import Arrival, drive  # noqa: E402

@@ -32,7 +32,7 @@ SHARED = "You are a helpful assistant who answers in one short sentence. " * 14
 
 
 def _ports(n: int = 4) -> int:
-    from kvscope.adapters.vllm_ports import port_free
+    from kvscope.vllm.launch.ports import port_free
 
     for _ in range(100):
         p = free_port()
@@ -50,7 +50,7 @@ def _kvscope(*args: str, log) -> subprocess.Popen:
 def live(tmp_path_factory):
     """Start, drive and stop one real vLLM; what each check reads afterwards."""
     from kvscope.tui.feeds import LiveFeed
-    from kvscope.tui.sources import LiveSource
+    from kvscope.tui.sources.live import LiveSource
 
     d = tmp_path_factory.mktemp("vllm-live")
     port, base = free_port(), _ports()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.adapters import vllm_plugin as P
+from kvscope.vllm.inproc import plugin as P
 from kvscope.protocol.codec import decode, encode
 from kvscope.protocol.events import HelloEvent, RequestEvent, StepEvent
-from kvscope.tui.state import new_state, reduce
+from kvscope.tui.model.state import new_state, reduce
 from tests.fakes import vllm_stats as S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_a_full_queue_drops_the_step_and_counts_it(monkeypatch):
 def test_disabled_means_no_socket_and_no_zmq():
     # vLLM itself imports zmq (its loggers); with vLLM installed the check is on kvscope's own imports
     code = ("import sys, os; os.environ.pop('KVSCOPE_VLLM_PUBLISH', None); sys.modules['vllm'] = None;"
-            "from kvscope.adapters.vllm_plugin import KvscopeStatLogger;"
+            "from kvscope.vllm.inproc.plugin import KvscopeStatLogger;"
             "from tests.fakes import vllm_stats as S;"
             "lg = KvscopeStatLogger(S.VllmConfig(), 0); lg.record(S.SchedulerStats(), S.IterationStats());"
             "import threading;"

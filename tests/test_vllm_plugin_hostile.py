@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.adapters import vllm_plugin as P
+from kvscope.vllm.inproc import plugin as P
 from kvscope.protocol import transport
 from kvscope.protocol.codec import decode, encode
 from kvscope.protocol.events import PROTOCOL_VERSION, HelloEvent, StepEvent, engine_info

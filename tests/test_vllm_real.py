@@ -3,7 +3,7 @@
 tests/data/vllm-0.32-cpu-metrics-busy.txt: /metrics with 16 requests running and 8 waiting for capacity;
 ...-after.txt: the same server later, idle, after a run that preempted once. vllm-0.32-cpu-watched.kvtrace:
 `kvscope record --connect` on the watched scheduler inside such a server (--scheduler-cls
-kvscope.adapters.vllm_watch.WatchedScheduler, KVSCOPE_VLLM_PUBLISH), 24 requests, one preemption;
+kvscope.vllm.inproc.watched.WatchedScheduler, KVSCOPE_VLLM_PUBLISH), 24 requests, one preemption;
 vllm-0.32-cpu-outside.kvtrace: `kvscope record --vllm URL --kv-events tcp://127.0.0.1:5701 --kv-replay ...`
 on the same server at the same time (scrapes every 0.5 s; vLLM connects its KV-event PUB to that host
 address, so the recorder bound it). Server flags: --dtype float32 --max-model-len 1024
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.adapters.vllm_metrics import MetricsView, parse
-from kvscope.adapters.vllm_source import VllmSource
+from kvscope.vllm.watch.metrics import MetricsView, parse
+from kvscope.vllm.watch.source import VllmSource
 from kvscope.protocol.codec import encode
 from kvscope.traces.reader import TraceReader
 from tests.docs_consumer import DocsConsumer
@@ -53,7 +53,7 @@ def test_the_waiting_reasons_and_the_per_request_preemption_histogram_are_read()
 
 def test_vllms_usage_is_over_its_pool_less_the_null_block():
     """kv_cache_usage_perc x (num_gpu_blocks - 1) is a whole number of blocks: the rule docs/PROTOCOL.md states."""
-    from kvscope.adapters.vllm_metrics import info_labels
+    from kvscope.vllm.watch.metrics import info_labels
 
     busy = parse(BUSY, 0.0)
     blocks = int(info_labels(busy.by_label["cache_config_info"])["num_gpu_blocks"])

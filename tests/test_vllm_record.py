@@ -15,14 +15,14 @@ import time
 import pytest
 from msgspec import UNSET
 
-from kvscope.adapters import vllm_record
-from kvscope.adapters.vllm_cache import CacheView
-from kvscope.adapters.vllm_metrics import MetricsView
-from kvscope.adapters.vllm_record import record_vllm
-from kvscope.adapters.vllm_replay import VllmTraceSource
-from kvscope.adapters.vllm_source import KvStats, VllmSource
-from kvscope.adapters.vllm_trace import cache_from, snapshot_event, wire_hash
-from kvscope.adapters.vllm_wire import Batch, Cleared, Removed, Stored
+from kvscope.vllm.watch import record as vllm_record
+from kvscope.vllm.watch.cache import CacheView
+from kvscope.vllm.watch.metrics import MetricsView
+from kvscope.vllm.watch.record import record_vllm
+from kvscope.vllm.watch.replay import VllmTraceSource
+from kvscope.vllm.watch.source import KvStats, VllmSource
+from kvscope.vllm.watch.trace import cache_from, snapshot_event, wire_hash
+from kvscope.vllm.watch.wire import Batch, Cleared, Removed, Stored
 from kvscope.cli import main
 from kvscope.protocol import encode
 from kvscope.protocol.codec import ProtocolError, UnknownEventType, decode
@@ -334,9 +334,9 @@ def test_a_server_that_does_not_answer_is_recorded_as_failed_scrapes(tmp_path):
 
 def test_hostile_values_never_make_an_unreadable_trace(tmp_path):
     """Prometheus text may carry +Inf gauges and a KV publisher any float or int: the trace stays readable."""
-    from kvscope.adapters.vllm_metrics import parse
-    from kvscope.adapters.vllm_record import VllmRecorder
-    from kvscope.adapters.vllm_source import apply_batch
+    from kvscope.vllm.watch.metrics import parse
+    from kvscope.vllm.watch.record import VllmRecorder
+    from kvscope.vllm.watch.source import apply_batch
 
     path = tmp_path / "hostile.kvtrace"
     source = VllmSource("http://127.0.0.1:9", "tcp://127.0.0.1:9")  # never started: the test feeds it

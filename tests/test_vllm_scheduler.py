@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by `make vllm`")
 
 from conftest import token_prompts  # noqa: E402
-from kvscope.adapters.vllm_core import VllmSchedulerSettings  # noqa: E402
+from kvscope.vllm.inproc.core import VllmSchedulerSettings  # noqa: E402
 from kvscope.engine import LLM, SamplingParams  # noqa: E402
-from kvscope.engine.errors import KvscopeError  # noqa: E402
+from kvscope.errors import KvscopeError  # noqa: E402
 from kvscope.protocol import codec  # noqa: E402
 from kvscope.protocol.blockmap import BlockMap  # noqa: E402
 from tests.vllm_drive import Arrival, drive  # noqa: E402
@@ -96,7 +96,7 @@ def test_what_vllm_does_not_do_is_refused(flags, words):
 
 
 def test_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
-    from kvscope.adapters import vllm_core
+    from kvscope.vllm.inproc import core as vllm_core
 
     monkeypatch.setattr(vllm_core, "vllm_version", lambda: None)
     with pytest.raises(KvscopeError) as e:

@@ -16,7 +16,9 @@ import tempfile
 
 import pytest
 
-from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
+from kvscope.vllm.launch import flags as vf
+from kvscope.vllm.launch import ports as vp
+from kvscope.vllm.launch import server as vs
 from kvscope.cli import main
 from kvscope.errors import KvscopeError
 from tests._helpers import free_port, wait_for
@@ -331,7 +333,7 @@ def test_the_bench_peer_refuses_a_model_vllm_cannot_load(standin):
 # ---- the demo ---------------------------------------------------------------------------------
 def test_the_demo_on_vllm_is_serve_forever_with_vllms_flags_last():
     from kvscope.cli.main import build_parser
-    from kvscope.tui.demo import vllm_demo_command
+    from kvscope.tui.launch.demo import vllm_demo_command
 
     cmd = vllm_demo_command("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     assert cmd[1:4] == ["-m", "kvscope.cli", "serve"]

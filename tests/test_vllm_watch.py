@@ -1,7 +1,7 @@
 """The watched scheduler against vLLM's real classes, in-process on this CPU.
 
 vLLM's Scheduler and AsyncScheduler are built as vLLM's engine core builds them, from a VllmConfig
-naming ``kvscope.adapters.vllm_watch.WatchedScheduler`` in ``scheduler_cls``
+naming ``kvscope.vllm.inproc.watched.WatchedScheduler`` in ``scheduler_cls``
 (tests/fakes/vllm_core.py), and driven through the engine core's loop with ModelRunnerOutputs. A
 consumer written from docs/PROTOCOL.md (the codec's bytes, BlockMap's rule, the step's queues)
 must rebuild vLLM's own block tables and queues after every step.
@@ -20,7 +20,7 @@ from kvscope.protocol.codec import decode, encode  # noqa: E402
 from kvscope.protocol.events import HelloEvent, RequestEvent, SnapshotEvent, StepEvent  # noqa: E402
 from tests.fakes.vllm_core import Core, build  # noqa: E402
 
-WATCHED = "kvscope.adapters.vllm_watch.WatchedScheduler"
+WATCHED = "kvscope.vllm.inproc.watched.WatchedScheduler"
 
 
 class WirePublisher:
@@ -106,7 +106,7 @@ def vllm_blocks(sched) -> tuple[dict[int, int], set[int]]:
 
 def watched(**kw):
     """A watched scheduler built by vLLM's path, with its watch publishing to a WirePublisher."""
-    from kvscope.adapters.vllm_watch import Watch
+    from kvscope.vllm.inproc.watched import Watch
 
     sched = build(WATCHED, **kw)
     pub = WirePublisher()
@@ -158,7 +158,7 @@ def test_vllm_config_names_the_watched_class_and_vllm_builds_it(async_scheduling
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvscope.adapters.vllm_watch import WatchedAsyncScheduler, WatchedScheduler
+    from kvscope.vllm.inproc.watched import WatchedAsyncScheduler, WatchedScheduler
 
     sched = build(WATCHED, async_scheduling=async_scheduling)
     on = sched.vllm_config.scheduler_config.async_scheduling
@@ -169,7 +169,7 @@ def test_vllm_config_names_the_watched_class_and_vllm_builds_it(async_scheduling
     assert (type(sched) is WatchedAsyncScheduler) == on
     assert type(build(None, async_scheduling=async_scheduling)) is (AsyncScheduler if on else Scheduler)
     assert sched._kvscope is None, "without KVSCOPE_VLLM_PUBLISH nothing is built"
-    explicit = build("kvscope.adapters.vllm_watch.WatchedAsyncScheduler", async_scheduling=True)
+    explicit = build("kvscope.vllm.inproc.watched.WatchedAsyncScheduler", async_scheduling=True)
     assert type(explicit) is WatchedAsyncScheduler
 
 
@@ -222,7 +222,7 @@ class RaisingPublisher(WirePublisher):
 
 
 def test_a_publisher_that_raises_never_reaches_vllm():
-    from kvscope.adapters.vllm_watch import Watch
+    from kvscope.vllm.inproc.watched import Watch
 
     sched = build(WATCHED, num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
     sched._kvscope = Watch(sched, RaisingPublisher())
@@ -247,7 +247,7 @@ class DroppingPublisher(WirePublisher):
 
 
 def test_dropped_events_are_counted_and_a_snapshot_resyncs_the_watcher():
-    from kvscope.adapters.vllm_watch import Watch
+    from kvscope.vllm.inproc.watched import Watch
 
     sched = build(WATCHED, num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
     pub = DroppingPublisher()
@@ -281,7 +281,7 @@ def test_over_zmq_from_the_variable_as_record_and_tui_connect(monkeypatch):
     import socket
     import time
 
-    from kvscope.adapters.vllm_plugin import KvscopeStatLogger
+    from kvscope.vllm.inproc.plugin import KvscopeStatLogger
     from kvscope.protocol.pubsub import Subscriber
 
     with socket.socket() as s:
@@ -362,8 +362,8 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
     from tests.fakes.sources import MemoryTrace
     from kvscope.tui.app import KvscopeApp
     from kvscope.tui.feeds import ReplayFeed
-    from kvscope.tui.player import Player
-    from kvscope.tui.sources import ReplayController
+    from kvscope.tui.model.player import Player
+    from kvscope.tui.sources.replay import ReplayController
     from kvscope.tui.widgets import BlockMap as BlockMapWidget
 
     sched, pub = watched(num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128)
@@ -412,7 +412,7 @@ def test_the_dashboard_replays_the_watched_scheduler_block_by_block():
 def test_a_watcher_that_follows_every_delta_holds_each_later_snapshot(batch_queue, async_scheduling, monkeypatch):
     """docs/PROTOCOL.md: a snapshot with step S is the state after step S, so the map rebuilt from the deltas
     before it equals it, block for block (a snapshot taken mid-step would hold the next step's changes)."""
-    from kvscope.adapters import vllm_watch
+    from kvscope.vllm.inproc import watched as vllm_watch
 
     monkeypatch.setattr(vllm_watch, "SNAPSHOT_EVERY", 16)
     sched, pub = watched(num_blocks=48, max_num_seqs=6, max_num_batched_tokens=128, async_scheduling=async_scheduling)

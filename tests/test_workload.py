@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.workload import (
     PRESETS,
     ArrivalSpec,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvscope.adapters.vllm_core import VllmSchedulerSettings, build_scheduler, make_request, runner_output
-from kvscope.adapters.vllm_events import VllmEventBuilder
+from kvscope.vllm.inproc.core import VllmSchedulerSettings, build_scheduler, make_request, runner_output
+from kvscope.vllm.inproc.events import VllmEventBuilder
 
 
 @dataclass

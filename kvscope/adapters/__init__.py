@@ -1,5 +1,2 @@
-"""Other engines' streams, read with their own wire formats: vLLM's Prometheus metrics and KV-cache events.
-
-Nothing here imports kvscope.engine: an adapter turns another engine's bytes into a
-view state that the TUI draws, exactly as kvscope's own reducer does for its events.
-"""
+"""Dotted paths users type into vLLM, kept where they were: ``--scheduler-cls
+kvscope.adapters.vllm_watch.WatchedScheduler`` and the stat-logger plugin. The code lives in kvscope.vllm."""

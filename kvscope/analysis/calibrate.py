@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.errors import KvscopeError
+from kvscope.engine.errors import RequestRejected
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import CostModel, Efficiency, StepShape
 from kvscope.protocol.events import RequestEvent, StepEvent

@@ -16,7 +16,7 @@ import msgspec
 from kvscope.analysis import knobs as K
 from kvscope.analysis import verdicts as V
 from kvscope.analysis.figures import RunFigures
-from kvscope.analysis.goodput import GoodputTally, Slo, slo_of_flat
+from kvscope.goodput import GoodputTally, Slo, slo_of_flat
 from kvscope.analysis.knobs import Knob
 from kvscope.analysis.signals import Signals, StepLog, measure
 from kvscope.analysis.verdicts import Evidence
@@ -89,7 +89,7 @@ def judge(log: StepLog, requests: TraceRequests | None = None, source: str = "<e
         cannot.append("no hello: the engine config is unknown, so knobs cannot name their current values")
     top, rest = V.rule(s, cfg)
     if str(cfg.get("backend", "")).startswith("vllm"):  # a vLLM's own steps (adapters.vllm_plugin): its flags
-        from kvscope.adapters import vllm_knobs
+        from kvscope.analysis import vllm_knobs
 
         knobs, refusals = vllm_knobs.choose(top.bottleneck, rest, cfg, s)
     else:

@@ -42,7 +42,7 @@ class RunFigures(msgspec.Struct, kw_only=True, omit_defaults=True):  # no SLO: n
 
 def run_figures(ttft: Sequence[float], itl: Sequence[float], output_tokens: int, first_arrival: float | None,
                 last_finish: float | None, preemptions: int, goodput=None) -> RunFigures:
-    """``goodput``: a GoodputTally over the same requests (kvscope.analysis.goodput), when an SLO is set."""
+    """``goodput``: a GoodputTally over the same requests (kvscope.goodput), when an SLO is set."""
     span = (last_finish or 0.0) - (first_arrival or 0.0)
     good = goodput.figures(span) if goodput is not None and goodput.slo else None
     return RunFigures(

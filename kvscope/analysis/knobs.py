@@ -6,7 +6,7 @@ fills each knob's ``baseline`` and ``predicted`` afterwards.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -34,6 +34,32 @@ MEASURE_NEXT = {
 }
 
 
+class Flag(NamedTuple):
+    """One setting a knob turns, as each engine spells it (None: that engine has no such flag)."""
+
+    kvscope: str | None
+    vllm: str | None
+
+
+# The settings the rules turn: kvscope's flag and the same setting in `vllm serve`'s engine arguments.
+# kvscope's rules (candidates) name the first column, vLLM's (analysis.vllm_knobs) the second.
+FLAGS = {
+    "gpu_memory_utilization": Flag("--gpu-memory-utilization", "--gpu-memory-utilization"),
+    "kv_cache_dtype": Flag("--kv-cache-dtype", "--kv-cache-dtype"),
+    "num_blocks": Flag("--num-blocks", None),
+    "max_num_seqs": Flag("--max-num-seqs", "--max-num-seqs"),
+    "max_num_batched_tokens": Flag("--max-num-batched-tokens", "--max-num-batched-tokens"),
+    "long_prefill_token_threshold": Flag("--long-prefill-token-threshold", "--long-prefill-token-threshold"),
+    "chunked_prefill": Flag("--mode", "--enable-chunked-prefill"),
+    "prefix_caching": Flag("--prefix-caching", "--enable-prefix-caching"),
+    "preemption": Flag("--preemption", None),
+    "policy": Flag("--policy", "--scheduling-policy"),
+    "tp": Flag("--tp", "--tensor-parallel-size"),
+}
+KVSCOPE = {setting: f.kvscope for setting, f in FLAGS.items() if f.kvscope}
+VLLM = {setting: f.vllm for setting, f in FLAGS.items() if f.vllm}
+
+
 class Knob(msgspec.Struct, kw_only=True):
     flag: str
     from_: Any = msgspec.field(name="from")
@@ -56,20 +82,20 @@ def _kv_knobs(cfg: dict, s: Signals) -> list[Knob]:
     sim = cfg.get("backend") == "sim"
     gmu = cfg.get("gpu_memory_utilization")
     if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_HIGH:
-        out.append(_knob("--gpu-memory-utilization", gmu, GMU_HIGH, "more of the GPU's memory for KV blocks"))
+        out.append(_knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_HIGH, "more of the GPU's memory for KV blocks"))
     kv_dtype = str(cfg.get("kv_cache_dtype") or "")
     if sim and kv_dtype in WIDE_KV_DTYPES:
-        out.append(_knob("--kv-cache-dtype", kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
+        out.append(_knob(KVSCOPE["kv_cache_dtype"], kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
     blocks = cfg.get("num_blocks")
     if not is_gpu(cfg) and isinstance(blocks, int):
-        out.insert(0, _knob("--num-blocks", blocks, 2 * blocks, "twice the KV blocks: fewer preemptions and "
+        out.insert(0, _knob(KVSCOPE["num_blocks"], blocks, 2 * blocks, "twice the KV blocks: fewer preemptions and "
                             "fewer admissions blocked on kv_blocks"))
     seqs = cfg.get("max_num_seqs")
     if isinstance(seqs, int) and s.running_max > 2:
-        out.append(_knob("--max-num-seqs", seqs, max(1, s.running_max // 2),
+        out.append(_knob(KVSCOPE["max_num_seqs"], seqs, max(1, s.running_max // 2),
                          "fewer concurrent sequences fit the pool without preempting each other"))
     if cfg.get("preemption", cfg.get("preemption_mode")) == "recompute" and s.preemptions_kv:
-        out.append(_knob("--preemption", "recompute", "swap", "swap preempted KV to CPU instead of recomputing it"))
+        out.append(_knob(KVSCOPE["preemption"], "recompute", "swap", "swap preempted KV to CPU instead of recomputing it"))
     return out
 
 
@@ -84,26 +110,26 @@ def candidates(verdict: str, cfg: dict, s: Signals) -> list[Knob]:
     if verdict == V.KV_CAPACITY:
         return _kv_knobs(cfg, s)
     if verdict == V.MAX_NUM_SEQS and isinstance(seqs, int):
-        return [_knob("--max-num-seqs", seqs, 2 * seqs, "the batch is capped by max_num_seqs while KV blocks "
+        return [_knob(KVSCOPE["max_num_seqs"], seqs, 2 * seqs, "the batch is capped by max_num_seqs while KV blocks "
                       "and the token budget are free")]
     if verdict == V.TOKEN_BUDGET and isinstance(budget, int):
-        return [_knob("--max-num-batched-tokens", budget, _budget_to(budget),
+        return [_knob(KVSCOPE["max_num_batched_tokens"], budget, _budget_to(budget),
                       "a bigger per-step budget prefills waiting prompts sooner")]
     if verdict == V.PREFILL_INTERFERENCE:
         if mode == "continuous":
-            return [_knob("--mode", mode, "chunked", "chunked prefill interleaves prompt chunks with decodes, "
+            return [_knob(KVSCOPE["chunked_prefill"], mode, "chunked", "chunked prefill interleaves prompt chunks with decodes, "
                           "so a long prompt no longer stalls every decode")]
         if isinstance(budget, int) and budget > 64:
-            return [_knob("--max-num-batched-tokens", budget, max(64, budget // 4 if budget > 1024 else budget // 2),
+            return [_knob(KVSCOPE["max_num_batched_tokens"], budget, max(64, budget // 4 if budget > 1024 else budget // 2),
                           "smaller prefill chunks per step keep each decode step short")]
     if verdict == V.BATCHING_MODE:
-        return [_knob("--mode", mode, "chunked", "iteration-level batching admits and releases every step, "
+        return [_knob(KVSCOPE["chunked_prefill"], mode, "chunked", "iteration-level batching admits and releases every step, "
                       "with chunked prefill")]
     if verdict == V.POLICY_STARVATION and policy not in (None, "fcfs"):
-        return [_knob("--policy", policy, "fcfs", "first come, first served passes nobody over")]
+        return [_knob(KVSCOPE["policy"], policy, "fcfs", "first come, first served passes nobody over")]
     if verdict == V.COMPUTE_BOUND and cfg.get("backend") == "sim":
         tp = cfg.get("tp") or 1
-        return [_knob("--tp", tp, 2 * tp, "the scheduler knobs are exhausted: steps are full and at the "
+        return [_knob(KVSCOPE["tp"], tp, 2 * tp, "the scheduler knobs are exhausted: steps are full and at the "
                       "roofline, so only more GPUs per replica shorten them")]
     return []
 
@@ -132,7 +158,7 @@ def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tu
     if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_FLOOR:
         refusals.append(f"GPU memory utilization {gmu:g} is below {GMU_FLOOR:g}: raise it first; "
                         "no other knob is advised until it is")
-        return [_knob("--gpu-memory-utilization", gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
+        return [_knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
                       "unused, so every other figure is measured on a starved KV pool")], refusals
     unique = with_runners_up(candidates, verdict, secondary, cfg, s)
     if verdict not in (V.COMPUTE_BOUND, V.UNDERLOADED) and is_gpu(cfg):

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from kvscope.analysis.figures import RunFigures
-from kvscope.analysis.goodput import NO_SLO, Slo
+from kvscope.goodput import NO_SLO, Slo
 from kvscope.analysis.knobs import Knob
 from kvscope.analysis.whatif import ReplayRequest, TraceRequests, run_sim, sim_settings
 
@@ -45,7 +45,7 @@ class WhatIf(msgspec.Struct, kw_only=True):
 
 def _auto_blocks(settings: dict) -> int:
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.kv_sizing import num_blocks_for
+    from kvscope.engine.worker.kv_sizing import num_blocks_for
     from kvscope.engine.sim.backend import SimBackend
 
     cfg = EngineConfig(**{**settings, "num_blocks": None})
@@ -103,7 +103,7 @@ def _calibrate(tr: TraceRequests, config: dict, steps: list) -> tuple[dict, dict
 def predict(tr: TraceRequests, config: dict, knobs: list[Knob], trace_steps: int, calib_steps: list | None,
             slo: Slo = NO_SLO) -> WhatIf:
     """Run baseline and one replay per knob; fills knob.baseline / knob.predicted in place."""
-    from kvscope.engine.errors import KvscopeError
+    from kvscope.errors import KvscopeError
 
     n = len(tr.requests)
     if n == 0:

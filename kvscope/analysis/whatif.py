@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import msgspec
 
 from kvscope.analysis.figures import RunFigures, run_figures
-from kvscope.analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo
+from kvscope.goodput import NO_SLO, GoodputTally, RequestRecord, Slo
 from kvscope.protocol.events import RequestEvent, StepEvent
 
 # Engine settings a what-if carries over from a trace's hello config.

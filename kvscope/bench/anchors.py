@@ -1,6 +1,6 @@
 """`kvscope bench --backend sim --anchors`: the sim against published runs of real engines.
 
-bench/anchors.json lists runs that real engines published (GPU, model, engine and
+kvscope/bench/anchors.json lists runs that real engines published (GPU, model, engine and
 version, workload, figure, source). Each anchor's workload is rebuilt request for
 request and served by kvscope's scheduler on the sim with that engine's scheduler
 settings (mode, block size, budgets) and its efficiency profile
@@ -17,9 +17,9 @@ import os
 import sys
 from random import Random
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
-ANCHORS_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "anchors.json"))
+ANCHORS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors.json")  # package data
 SPLITS = ("fit", "validate")
 GENERATORS = ("nano-vllm-bench", "uniform")  # uniform: lengths uniform in [lo, hi] from kvscope's own seeded RNG
 MAX_FILE_BYTES = 1 << 20
@@ -180,7 +180,7 @@ def run_anchors(path: str | None = None, efficiency: dict | None = None, splits=
             if log:
                 log(f"[anchors] {a['id']} ...", file=sys.stderr)
             rows.append(run_anchor(a, data, efficiency))
-    return {"anchors": path or "bench/anchors.json", "rows": rows, "summary": summarize(rows)}
+    return {"anchors": path or "kvscope/bench/anchors.json", "rows": rows, "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -27,7 +27,7 @@ from kvscope import workload as wl
 from kvscope.bench import FEATURE_EXPERIMENTS
 from kvscope.bench.report import markdown_table
 from kvscope.engine.config import PREEMPT_RECOMPUTE, PREEMPT_SWAP, EngineConfig, Mode
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.quantiles import percentile

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from kvscope import workload as wl
-from kvscope.analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields, usd_per_mtok
+from kvscope.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields, usd_per_mtok
 from kvscope.bench import SINGLE_STREAM
 from kvscope.engine.config import EngineConfig, Mode
 from kvscope.engine.llm_engine import LLMEngine

@@ -2,7 +2,7 @@
 
 A GPU idles while the engine is in Python between forwards, so this bench times one
 engine step with a runner that computes nothing: it builds the forward's inputs as the
-model runner does (kvscope.engine.inputs), then takes the sim's deterministic tokens.
+model runner does (kvscope.engine.worker.inputs), then takes the sim's deterministic tokens.
 What is timed is everything else a step does: the scheduler and block manager, input
 building, sampling bookkeeping and building the step event (into a sink that drops it).
 
@@ -12,8 +12,8 @@ decode steps that follow the prefills all run N requests. The figure is the medi
 time per step over those steps (process time, so other processes on a shared machine
 count less); the mean over every step of the run is reported too.
 
-Result files: bench/results/host-overhead.json and .txt (`kvscope bench --host-overhead --json
-bench/results/host-overhead.json`). The second table times input building alone, the vectorized builder against the
+Result files: benchmarks/results/host-overhead.json and .txt (`kvscope bench --host-overhead --json
+benchmarks/results/host-overhead.json`). The second table times input building alone, the vectorized builder against the
 per-token loop it replaced, on 256 decodes and on one 8,192-token chunked step.
 """
 
@@ -54,7 +54,7 @@ def _engine(running: int):
     import torch
 
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.inputs import InputBuilder
+    from kvscope.engine.worker.inputs import InputBuilder
     from kvscope.engine.llm_engine import LLMEngine
 
     config = EngineConfig(backend="sim", model="qwen3-0.6b", gpu="h200", mode="chunked", max_num_seqs=running,
@@ -100,7 +100,7 @@ def measure_steps(running: int, seed: int = 0) -> dict:
 
 
 def _decode_step(n: int = 256, context: int = 1000, bs: int = 16):
-    from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+    from kvscope.engine.sched.output import ScheduledSeq, SchedulerOutput
 
     out = SchedulerOutput(step=1, budget=BUDGET)
     blocks = -(-(context + 1) // bs)
@@ -110,7 +110,7 @@ def _decode_step(n: int = 256, context: int = 1000, bs: int = 16):
 
 
 def _chunked_step(tokens: int = BUDGET, chunk: int = 1024, bs: int = 16):
-    from kvscope.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+    from kvscope.engine.sched.output import ScheduledSeq, SchedulerOutput
 
     out = SchedulerOutput(step=1, budget=BUDGET)
     for r in range(tokens // chunk):
@@ -124,7 +124,7 @@ def measure_inputs(repeats: int = 30) -> list[dict]:
     """Median CPU time of the per-token loop and of the vectorized builder, alternated in one run."""
     import torch
 
-    from kvscope.engine.inputs import InputBuilder
+    from kvscope.engine.worker.inputs import InputBuilder
 
     builder = InputBuilder(16, 1 << 16, 0, torch.device("cpu"))
     rows = []

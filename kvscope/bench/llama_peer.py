@@ -52,7 +52,7 @@ def gguf_path(config: EngineConfig) -> str:
 
 def _named_gguf(name: str) -> str | None:
     """A named real model's GGUF (e.g. smollm2-135m): its cached file, fetched the first time."""
-    from kvscope.engine import named_models
+    from kvscope.engine.loader import named_models
     return named_models.fetch(name) if name in named_models.NAMED_MODELS else None
 
 

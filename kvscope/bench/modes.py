@@ -24,11 +24,11 @@ import torch
 from kvscope.bench import events, peers, roofline
 from kvscope.bench import SINGLE_STREAM
 from kvscope.bench.harness import bench_workload, mode_row, model_info, row_config, run_config
-from kvscope.analysis.goodput import NO_SLO
+from kvscope.goodput import NO_SLO
 from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig, Mode
-from kvscope.engine.errors import KvscopeError
-from kvscope.engine.gguf_blocks import BLOCKS_MAX_ROWS
+from kvscope.errors import KvscopeError
+from kvscope.engine.loader.gguf_blocks import BLOCKS_MAX_ROWS
 from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
 
 BENCH_MAX_PROMPT_LEN = 2048  # keeps hf-static's dense padded attention inside CPU memory
@@ -42,8 +42,8 @@ class BenchOptions:
     peers: list[str] = field(default_factory=lambda: list(peers.DEFAULT_PEERS))
     max_prompt_len: int = BENCH_MAX_PROMPT_LEN
     events: bool = False  # also measure the cost of publishing + recording events
-    roofline: bool = False  # measure the machine's peaks and give each row its roofline % (bench/roofline.py)
-    slo: Any = None  # kvscope.analysis.goodput.Slo: each kvscope row's goodput (docs/GOODPUT.md)
+    roofline: bool = False  # measure the machine's peaks and give each row its roofline % (benchmarks/roofline.py)
+    slo: Any = None  # kvscope.goodput.Slo: each kvscope row's goodput (docs/GOODPUT.md)
 
 
 def check_row_names(options: BenchOptions) -> None:

@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from kvscope.bench.harness import Row
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.model_backend import default_cpu_threads, resolve_device, resolve_dtype
-from kvscope.engine.gguf import is_gguf_path, load_gguf
-from kvscope.engine.models import build_builtin
-from kvscope.engine.named_models import NAMED_MODELS, fetch
-from kvscope.engine.shapes import BUILTIN_SHAPES
+from kvscope.engine.worker.model_backend import default_cpu_threads, resolve_device, resolve_dtype
+from kvscope.engine.loader.gguf import is_gguf_path, load_gguf
+from kvscope.engine.loader.models import build_builtin
+from kvscope.engine.loader.named_models import NAMED_MODELS, fetch
+from kvscope.engine.loader.shapes import BUILTIN_SHAPES
 
 
 def _hf_model(config: EngineConfig):

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from kvscope.engine.config import MODES, EngineConfig, config_from_data
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 BUILTIN = ("lesson", "fragmentation")
 MAX_FILE_BYTES = 1 << 20

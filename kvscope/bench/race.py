@@ -74,7 +74,7 @@ def trace_path(run: RacePlan, out_dir: str) -> str:
 def run_race(runs: list[RacePlan], items, out_dir: str, *, sim: bool, progress: bool = True,
              log=print, slo=None) -> list[dict]:
     """Run each plan over ``items``, recording ``out_dir/<label>-<name>.kvtrace``; returns bench rows."""
-    from kvscope.analysis.goodput import NO_SLO
+    from kvscope.goodput import NO_SLO
     from kvscope.bench.harness import mode_row, run_config
     from kvscope.bench.sim import sim_row
     from kvscope.traces.writer import TraceWriter

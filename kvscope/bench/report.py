@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from kvscope.analysis.goodput import fmt_share, fmt_usd
+from kvscope.goodput import fmt_share, fmt_usd
 
 
 def ms(seconds: float | None) -> str:

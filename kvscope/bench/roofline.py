@@ -2,7 +2,7 @@
 
 Once per run it measures the machine: GEMM FLOP/s at the model's own linear shapes (QKV, O,
 gate/up, down, at the step's token budget), in the engine's dtype and torch thread count, the
-faster of torch's F.linear and the engine's oneDNN-packed linear (engine/cpu_linear.py) on a CPU,
+faster of torch's F.linear and the engine's oneDNN-packed linear (engine/cpu/linear.py) on a CPU,
 and memory bandwidth (a large copy, read + write counted). Each row's steps are then priced at
 those peaks, the ideal an engine could reach doing the same steps:
 
@@ -72,10 +72,10 @@ def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
 
 
 def _packed_linear_runner(torch_dtype):
-    """w, x -> a call of the engine's oneDNN-packed linear (engine/cpu_linear.py), or None where it does not run."""
+    """w, x -> a call of the engine's oneDNN-packed linear (engine/cpu/linear.py), or None where it does not run."""
     import torch
 
-    from kvscope.engine.cpu_linear import PackedLinear, packing_unavailable
+    from kvscope.engine.cpu.linear import PackedLinear, packing_unavailable
 
     if packing_unavailable(torch_dtype) is not None:
         return None

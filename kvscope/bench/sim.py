@@ -18,7 +18,7 @@ import msgspec
 from kvscope import workload as wl
 from kvscope.bench.harness import Row, bench_workload, mode_row, model_info, row_config, run_config
 from kvscope.bench.preset import load_preset
-from kvscope.analysis.goodput import NO_SLO, Slo
+from kvscope.goodput import NO_SLO, Slo
 from kvscope.bench.report import ranking_lines, rows_table
 from kvscope.engine.config import MODES, EngineConfig
 from kvscope.engine.llm_engine import LLMEngine

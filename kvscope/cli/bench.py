@@ -37,7 +37,7 @@ class Bench(Command):
                        help="host time per step at 64, 256 and 1,024 running, with no compute")
         p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation, or a .json file")
         p.add_argument("--anchors", nargs="?", const=True, default=None, metavar="FILE",
-                       help="sim vs published runs of real engines (default bench/anchors.json)")
+                       help="sim vs published runs of real engines (default kvscope/bench/anchors.json)")
         p.add_argument("--fit", action="store_true", help="with --anchors: refit the sim's default efficiencies")
         p.add_argument("--json", metavar="FILE", help="write results as JSON")
         add_slo_args(p)

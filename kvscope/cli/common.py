@@ -155,7 +155,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     config = EngineConfig(**{**engine_settings(args), **overrides})
     config.validate()  # one line before anything is loaded or allocated
     if config.backend == "model":
-        from kvscope.engine.named_models import check_model_name
+        from kvscope.engine.loader.named_models import check_model_name
 
         check_model_name(config.model)
     return config
@@ -182,7 +182,7 @@ def workload_args(p: argparse.ArgumentParser, default: str) -> None:
 
 # ---- SLOs and cost (docs/GOODPUT.md) ------------------------------------------------------------
 def _slo_item(text: str) -> str:
-    from kvscope.analysis.goodput import SloError, parse_slo
+    from kvscope.goodput import SloError, parse_slo
 
     try:
         parse_slo(text)
@@ -204,7 +204,7 @@ def add_slo_args(p: argparse.ArgumentParser, *, cost: bool = True, recorded: boo
 
 def slo_from_args(args: argparse.Namespace):
     """The Slo the flags ask for (an empty Slo when --slo was not given)."""
-    from kvscope.analysis.goodput import parse_slo
+    from kvscope.goodput import parse_slo
 
     return parse_slo(getattr(args, "slo", None))
 
@@ -348,6 +348,6 @@ class loading_line:
 
 
 def _builtin_names() -> frozenset[str]:
-    from kvscope.engine.shapes import BUILTIN_SHAPES
+    from kvscope.engine.loader.shapes import BUILTIN_SHAPES
 
     return frozenset(BUILTIN_SHAPES)

@@ -11,7 +11,7 @@ from kvscope.cli.common import UsageError, add_palette, add_slo_args, float_type
 
 def add_playback(p: argparse.ArgumentParser) -> None:
     """Alignment and speed of a synced replay (compare, and race when it opens compare)."""
-    from kvscope.tui.player import ALIGNS
+    from kvscope.tui.model.player import ALIGNS
 
     p.add_argument("--align", default="time", choices=ALIGNS,
                    help="time: engine time since each run's first arrival; step: by step number (default: time)")
@@ -30,8 +30,8 @@ class Compare(Command):
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from kvscope.tui.compare_app import make_compare_app
-        from kvscope.tui.runs import MAX_RUNS
+        from kvscope.tui.launch.compare import make_compare_app
+        from kvscope.tui.sources.runs import MAX_RUNS
 
         if not 2 <= len(args.files) <= MAX_RUNS:
             raise UsageError(f"compare takes 2 to {MAX_RUNS} traces, got {len(args.files)}")

@@ -7,12 +7,12 @@ import argparse
 from kvscope.cli.command import Command
 from kvscope.cli.common import add_palette, add_slo_args
 from kvscope.engine.config import QUANTIZATIONS, SIM_GPUS
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 
 def _is_gguf_model(model: str) -> bool:
-    from kvscope.engine.gguf import is_gguf_path
-    from kvscope.engine.named_models import NAMED_MODELS
+    from kvscope.engine.loader.gguf import is_gguf_path
+    from kvscope.engine.loader.named_models import NAMED_MODELS
 
     return model in NAMED_MODELS or is_gguf_path(model)
 
@@ -42,12 +42,12 @@ class Demo(Command):
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from kvscope.tui.demo import run_demo
+        from kvscope.tui.launch.demo import run_demo
 
         if args.engine == "vllm":
             return _vllm_demo(args)
         if not args.sim:
-            from kvscope.engine.named_models import check_model_name
+            from kvscope.engine.loader.named_models import check_model_name
 
             check_model_name(args.model)  # one line now, not a failed engine child later
 
@@ -57,7 +57,7 @@ class Demo(Command):
                 raise KvscopeError("--quantization gguf needs a GGUF model: --model smollm2-135m or a .gguf file")
             extra = ("--quantization", args.quantization)
         if args.scheduler == "vllm":
-            from kvscope.adapters.vllm_core import require_vllm
+            from kvscope.vllm.inproc.core import require_vllm
 
             require_vllm()  # one line, before the dashboard takes the terminal
             extra += ("--scheduler", "vllm")
@@ -69,9 +69,9 @@ class Demo(Command):
 
 def _vllm_demo(args: argparse.Namespace) -> int:
     """`kvscope demo --engine vllm`: checked here, in one line each, before the dashboard takes the terminal."""
-    from kvscope.adapters.vllm_flags import vllm_python
-    from kvscope.engine.shapes import BUILTIN_SHAPES
-    from kvscope.tui.demo import VLLM_DEMO_MODEL, run_demo
+    from kvscope.vllm.launch.flags import vllm_python
+    from kvscope.engine.loader.shapes import BUILTIN_SHAPES
+    from kvscope.tui.launch.demo import VLLM_DEMO_MODEL, run_demo
 
     if args.sim or args.quantization or args.scheduler != "kvscope" or args.slo:
         raise KvscopeError("--engine vllm runs vLLM itself: leave out --sim, --quantization, --scheduler and --slo")

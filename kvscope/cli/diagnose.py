@@ -101,7 +101,7 @@ def _diagnose_replicas(args: argparse.Namespace, files: list[str], what_if: bool
 
 def cost_line(d, cost_per_hour: float) -> str:
     """$ per million output (and goodput) tokens of the trace, and of the best knob's prediction."""
-    from kvscope.analysis.goodput import fmt_usd, usd_per_mtok
+    from kvscope.goodput import fmt_usd, usd_per_mtok
 
     def both(f) -> str:
         text = f"{fmt_usd(usd_per_mtok(cost_per_hour, f.output_tok_per_s))}/Mtok"

@@ -1,5 +1,5 @@
 """`kvscope diagnose` of a recorded vLLM: the flags for what its metrics do not say (docs/DIAGNOSE.md,
-"A recorded vLLM"), and the dispatch of a recording to kvscope.adapters.vllm_diagnose."""
+"A recorded vLLM"), and the dispatch of a recording to kvscope.vllm.diagnose.run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from kvscope.cli.common import float_type, int_type
 
 def _vllm_policy(text: str) -> str:
     """vLLM's own names only: this flag carries vLLM's vocabulary, never kvscope's `--policy module:Class`."""
-    from kvscope.adapters.vllm_signals import vllm_scheduling_policy
-    from kvscope.engine.errors import KvscopeError
+    from kvscope.vllm.diagnose.signals import vllm_scheduling_policy
+    from kvscope.errors import KvscopeError
 
     try:
         return vllm_scheduling_policy(text)
@@ -48,7 +48,7 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
 
 
 def vllm_flags(args: argparse.Namespace):
-    from kvscope.adapters.vllm_signals import VllmFlags
+    from kvscope.vllm.diagnose.signals import VllmFlags
 
     flags = VllmFlags(model=getattr(args, "model", None), gpu=getattr(args, "gpu", None),
                       enable_chunked_prefill=getattr(args, "vllm_enable_chunked_prefill", None),
@@ -64,7 +64,7 @@ def diagnose_file(args: argparse.Namespace, what_if: bool):
     from kvscope.traces.reader import TraceReader
 
     if TraceReader(args.file).vllm_recording:
-        from kvscope.adapters.vllm_diagnose import diagnose_vllm_trace
+        from kvscope.vllm.diagnose.run import diagnose_vllm_trace
 
         return diagnose_vllm_trace(args.file, flags=vllm_flags(args), window=args.window, what_if=what_if)
     from kvscope.cli.common import slo_from_args

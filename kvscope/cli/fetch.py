@@ -1,7 +1,7 @@
-"""`kvscope fetch`: download a named real model into the cache once (kvscope.engine.named_models), and
-convert it once into the form the engine reads directly (kvscope.engine.model_cache), so the first
+"""`kvscope fetch`: download a named real model into the cache once (kvscope.engine.loader.named_models), and
+convert it once into the form the engine reads directly (kvscope.engine.loader.model_cache), so the first
 `kvscope demo --model NAME` starts as fast as every later one. It also compiles the CPU attention
-kernel for this machine (kvscope.kernels.cpu_attention), once, for the same reason."""
+kernel for this machine (kvscope.kernels.cpu.library), once, for the same reason."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 from kvscope.cli.command import Command
 from kvscope.cli.common import UsageError
 
-FETCHABLE = ["smollm2-135m"]  # kvscope.engine.named_models.NAMED_MODELS (tests/test_named_models.py keeps them equal)
+FETCHABLE = ["smollm2-135m"]  # kvscope.engine.loader.named_models.NAMED_MODELS (tests/test_named_models.py keeps them equal)
 
 
 class Fetch(Command):
@@ -27,7 +27,7 @@ class Fetch(Command):
                        help="download only; the first start then converts (slow once)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from kvscope.engine.named_models import NAMED_MODELS, fetch
+        from kvscope.engine.loader.named_models import NAMED_MODELS, fetch
 
         if args.name not in NAMED_MODELS:
             raise UsageError(f"unknown model {args.name!r} (choose from {', '.join(NAMED_MODELS)})")
@@ -35,11 +35,11 @@ class Fetch(Command):
         if not args.no_convert:
             import torch
 
-            from kvscope.engine.model_backend import resolve_dtype
-            from kvscope.engine.models import load_model
+            from kvscope.engine.worker.model_backend import resolve_dtype
+            from kvscope.engine.loader.models import load_model
 
             load_model(args.name, resolve_dtype(args.dtype, torch.device("cpu")), "cpu")  # converts, or checks
-        from kvscope.kernels import cpu_attention
+        from kvscope.kernels.cpu import library as cpu_attention
 
         if not cpu_attention.forced_reference():
             cpu_attention.load()  # cached: a no-op; a failed build is a note, and the engine uses the reference

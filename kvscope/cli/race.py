@@ -68,7 +68,7 @@ class Race(Command):
         if args.no_tui:
             print_table(result)
             return 0
-        from kvscope.tui.compare_app import make_compare_app
+        from kvscope.tui.launch.compare import make_compare_app
 
         note = ("sim runs: virtual clocks, replayed together" if sim else
                 "runs took turns on this machine (never at once, so each had the cores to itself); replayed in sync")

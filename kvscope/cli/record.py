@@ -55,7 +55,7 @@ class Record(Command):
 
 
 def _record_vllm(args: argparse.Namespace) -> int:
-    from kvscope.adapters.vllm_record import record_vllm
+    from kvscope.vllm.watch.record import record_vllm
 
     if args.connect or args.control:
         raise UsageError("record either a kvscope engine (--connect/--control) or a vLLM (--vllm/--kv-events)")

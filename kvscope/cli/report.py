@@ -1,4 +1,4 @@
-"""`kvscope report INPUT... --html OUT.html`: traces, bench/race JSON or diagnose JSON as one HTML page."""
+"""`kvscope report INPUT... --html OUT.html`: traces, benchmarks/race JSON or diagnose JSON as one HTML page."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvscope.cli.common import add_slo_args, slo_from_args
 
 class Report(Command):
     name = "report"
-    help = "one self-contained HTML page of plots from 1-4 traces, bench/race JSON or diagnose JSON"
+    help = "one self-contained HTML page of plots from 1-4 traces, benchmarks/race JSON or diagnose JSON"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("inputs", nargs="+", metavar="INPUT",

@@ -175,7 +175,7 @@ def _serve(args, config, publisher, control, front) -> int:
     from kvscope.engine.metrics import summary_table
     from kvscope.serve.driver import ServeOptions, Server
 
-    from kvscope.analysis.goodput import GoodputTally, RequestRecord, row_fields
+    from kvscope.goodput import GoodputTally, RequestRecord, row_fields
     from kvscope.engine.telemetry import finish_record
 
     with loading_line(config.model, checkpoint=config.backend == "model"):
@@ -195,7 +195,7 @@ def _serve(args, config, publisher, control, front) -> int:
 
         sinks.append(TraceWriter(args.record, engine.hello(), snapshot_provider=engine.snapshot))
     if args.kv_events_vllm:
-        from kvscope.adapters.vllm_publisher import VllmKvPublisher
+        from kvscope.vllm.publish import VllmKvPublisher
 
         if not engine.config.prefix_caching:
             print("kvscope: note: --kv-events-vllm without --prefix-caching publishes no blocks", file=sys.stderr)
@@ -231,7 +231,7 @@ def _serve(args, config, publisher, control, front) -> int:
                     shown = f"[{host}]" if ":" in host else host
                     print(f"kvscope: listening on http://{shown}:{port} (OpenAI API; /metrics, /health)",
                           file=sys.stderr, flush=True)
-                    from kvscope.engine.shapes import BUILTIN_SHAPES
+                    from kvscope.engine.loader.shapes import BUILTIN_SHAPES
 
                     if engine.config.backend == "model" and engine.config.model in BUILTIN_SHAPES:  # a first curl, explained
                         print(f"kvscope: {engine.config.model!r} has random weights, so its replies are noise; "
@@ -264,7 +264,7 @@ def _serve(args, config, publisher, control, front) -> int:
 
 def goodput_lines(good: dict, tok_per_s: float) -> list[str]:
     """The summary's goodput and cost lines (row_fields' keys), aligned with summary_table's."""
-    from kvscope.analysis.goodput import fmt_share, fmt_usd
+    from kvscope.goodput import fmt_share, fmt_usd
 
     out = []
     if good.get("slo"):

@@ -1,6 +1,6 @@
 """`kvscope serve --engine vllm`: a real vLLM server on kvscope's model, watched from inside and from outside.
 
-kvscope starts vLLM (kvscope.adapters.vllm_server), says where everything listens and how to watch it,
+kvscope starts vLLM (kvscope.vllm.launch.server), says where everything listens and how to watch it,
 and stays in the foreground until Ctrl-C or SIGTERM, which stop vLLM's whole process group. Without
 --http it runs the workload once against vLLM's API on a loopback port and prints a summary, as
 `kvscope serve` does; --forever keeps the workload coming (`kvscope demo --engine vllm`). --record
@@ -32,7 +32,9 @@ DEMO_IN_FLIGHT = 48  # the workload's requests unfinished at once before new one
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    from kvscope.adapters import vllm_flags as vf, vllm_ports as vp, vllm_server as vs
+    from kvscope.vllm.launch import flags as vf
+    from kvscope.vllm.launch import ports as vp
+    from kvscope.vllm.launch import server as vs
 
     dp = vf.check_vllm_args(args.vllm_args)
     for key, flag in KVSCOPE_ONLY.items():
@@ -105,7 +107,8 @@ def _launch_spec(args, dp: int, python: str, model_dir: str, model: str, choice,
     """What vLLM is started with: kvscope's flags as vLLM's, the addresses, the KV cache, the threads."""
     from dataclasses import replace
 
-    from kvscope.adapters import vllm_flags as vf, vllm_server as vs
+    from kvscope.vllm.launch import flags as vf
+    from kvscope.vllm.launch import server as vs
 
     kv_gib = choice.kv_cache_gib
     if kv_gib is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and \
@@ -130,7 +133,8 @@ def _api_key(args) -> str | None:
 
 def _addresses(args, dp: int) -> dict:
     """HTTP host and port, and the event, control and KV-event addresses of rank 0 (docs/VLLM.md, ports)."""
-    from kvscope.adapters import vllm_ports as vp, vllm_server as vs
+    from kvscope.vllm.launch import ports as vp
+    from kvscope.vllm.launch import server as vs
     from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
     from kvscope.serve.frontend import parse_host_port
 
@@ -192,7 +196,7 @@ class _Progress:
 
 
 def _say_where(spec, server, kv_public: str) -> None:
-    from kvscope.adapters import vllm_server as vs
+    from kvscope.vllm.launch import server as vs
     from kvscope.protocol.transport import DEFAULT_CONTROL_ADDR, DEFAULT_EVENTS_ADDR
 
     if sys.stderr.isatty():
@@ -224,7 +228,7 @@ class _Traffic:
 
     def __init__(self, args, spec, model_dir: str, stop: threading.Event) -> None:
         from kvscope import workload as wl
-        from kvscope.adapters.vllm_client import CompletionsClient, WorkloadDriver
+        from kvscope.vllm.launch.client import CompletionsClient, WorkloadDriver
 
         vocab, reserved = _vocab(model_dir)
         spec_w = wl.load_spec(args.workload)

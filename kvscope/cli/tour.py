@@ -57,7 +57,7 @@ class Tour(Command):
 def _check(options) -> None:
     """The engine settings, checked (and a named model fetched) before the dashboard takes the terminal."""
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.named_models import NAMED_MODELS, fetch
+    from kvscope.engine.loader.named_models import NAMED_MODELS, fetch
 
     EngineConfig(**options.engine_base()).validate()
     if options.sim_gpu is None and options.model in NAMED_MODELS:

@@ -54,7 +54,7 @@ class Tui(Command):
             raise UsageError("give --kv-events/--kv-replay once per --vllm, and --control once per --connect, "
                              "in order")
         if len(connects) + len(urls) > 1:
-            from kvscope.tui.overview_app import run_overview
+            from kvscope.tui.launch.overview import run_overview
 
             if len(connects) + len(urls) > MAX_WATCHED:
                 raise UsageError(f"the overview watches at most {MAX_WATCHED} engines")
@@ -64,7 +64,7 @@ class Tui(Command):
             run_overview(kvscope, vllm, interval=args.interval, palette=args.palette)
             return 0
         if urls or kv_events:
-            from kvscope.tui.vllm_app import run_vllm
+            from kvscope.tui.launch.vllm import run_vllm
 
             run_vllm(urls[0] if urls else None, kv_events[0] if kv_events else None,
                      kv_replays[0] if kv_replays else None, interval=args.interval, palette=args.palette)
@@ -85,7 +85,7 @@ class Tui(Command):
 
 def _replicas(args: argparse.Namespace, connects: list[str], controls: list[str], urls: list[str]) -> int:
     """`--replicas N`: the ranks of one data-parallel deployment, on the ports after the base address."""
-    from kvscope.adapters.vllm_ports import offset_port
+    from kvscope.vllm.launch.ports import offset_port
     from kvscope.protocol.transport import DEFAULT_EVENTS_ADDR
     from kvscope.tui.launch import run_replicas
 

@@ -17,7 +17,7 @@ _EXPORTS = {
     "MODES": "kvscope.engine.config",
     "POLICIES": "kvscope.engine.config",
     "SamplingParams": "kvscope.engine.sampling_params",
-    "KvscopeError": "kvscope.engine.errors",
+    "KvscopeError": "kvscope.errors",
     "RequestRejected": "kvscope.engine.errors",
 }
 

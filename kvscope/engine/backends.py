@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 from kvscope.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvscope.engine.attention_spec import AttentionSpec
+    from kvscope.engine.loader.attention_spec import AttentionSpec
     from kvscope.engine.clock import VirtualClock, WallClock
-    from kvscope.engine.kv_sizing import KvBudget
+    from kvscope.engine.worker.kv_sizing import KvBudget
     from kvscope.engine.sampling_params import SamplingParams
-    from kvscope.engine.scheduler_output import SchedulerOutput
-    from kvscope.engine.tokenizer import Tokenizer
+    from kvscope.engine.sched.output import SchedulerOutput
+    from kvscope.engine.loader.tokenizer import Tokenizer
 
 
 class ModelInfo(Protocol):
@@ -86,6 +86,6 @@ def create_backend(config: EngineConfig) -> Backend:
         from kvscope.engine.sim.backend import SimBackend
 
         return SimBackend(config)
-    from kvscope.engine.model_backend import ModelBackend  # torch, transformers
+    from kvscope.engine.worker.model_backend import ModelBackend  # torch, transformers
 
     return ModelBackend(config)

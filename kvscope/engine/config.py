@@ -12,14 +12,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.protocol.events import MODES, PREEMPT_RECOMPUTE, PREEMPT_SWAP, PREEMPTION_MODES, Mode
 
 POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.md)
-SCHEDULERS = ("kvscope", "vllm")  # vllm: vLLM's own V1 Scheduler (engine/vllm_scheduler.py)
+SCHEDULERS = ("kvscope", "vllm")  # vllm: vLLM's own V1 Scheduler (vllm/inproc/scheduler.py)
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("gguf",)  # vLLM's --quantization value for GGUF files (engine/gguf_blocks.py)
+QUANTIZATIONS = ("gguf",)  # vLLM's --quantization value for GGUF files (engine/loader/gguf_blocks.py)
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
 # The sim catalog's GPUs (kvscope.engine.sim.catalog.GPUS; a test keeps the two equal). Named here
 # so the CLI lists them without importing the catalog, which loads torch for the built-in shapes.
@@ -97,7 +97,7 @@ class EngineConfig:
         _check_choice("mode", self.mode, MODES)
         if not isinstance(self.policy, str):
             raise KvscopeError(f"policy must be a name or 'module:Class', got {_short(self.policy)}")
-        from kvscope.engine.policies import load_policy
+        from kvscope.engine.sched.policies import load_policy
 
         load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
         _check_choice("backend", self.backend, BACKENDS)

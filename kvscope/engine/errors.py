@@ -2,7 +2,7 @@
 
 from kvscope.errors import KvscopeError
 
-__all__ = ["KvscopeError", "RequestRejected"]
+__all__ = ["RequestRejected"]
 
 
 class RequestRejected(KvscopeError):

@@ -10,7 +10,7 @@ with reason "error" and its message in `Request.error`.
 
 from __future__ import annotations
 
-from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.sched.output import SchedulerOutput
 from kvscope.protocol.events import FINISH_ERROR
 
 MAX_ERROR_CHARS = 500  # a message kept for the client (an exception text can be huge)

@@ -7,16 +7,18 @@ import time
 
 from kvscope.engine import isolation, outputs, telemetry
 from kvscope.engine.backends import Backend, create_backend
-from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.kv.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
-from kvscope.engine.errors import KvscopeError, RequestRejected
-from kvscope.engine.kv_events import BlockDeltaFold
-from kvscope.engine.kv_sizing import GiB, KvBudget, num_blocks_for
+from kvscope.errors import KvscopeError
+from kvscope.engine.errors import RequestRejected
+from kvscope.engine.kv.events import BlockDeltaFold
+from kvscope.engine.worker.kv_sizing import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request, priority_problem
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler import Scheduler
-from kvscope.engine.tokenizer import HFTokenizer
+from kvscope.engine.sched import external_scheduler
+from kvscope.engine.sched.scheduler import Scheduler
+from kvscope.engine.loader.tokenizer import HFTokenizer
 from kvscope.protocol.engine_info import WIRE_ORDER
 from kvscope.protocol.events import PROTOCOL_VERSION, ByeEvent, HelloEvent, OutputText, RejectEvent, SnapshotEvent
 from kvscope.protocol.sinks import EventSink
@@ -73,9 +75,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(usable_blocks * config.block_size)
         num_cpu_blocks = int(int(config.swap_space * GiB) // block_bytes) if config.preemption == PREEMPT_SWAP else 0
         if config.scheduler == "vllm":  # vLLM's own scheduler and KV-cache manager decide every step
-            from kvscope.engine.vllm_scheduler import VllmScheduler
-
-            self.scheduler = VllmScheduler(config, num_blocks, self.max_model_len)
+            self.scheduler = external_scheduler("vllm")(config, num_blocks, self.max_model_len)
             self.block_manager = self.scheduler.bm
         else:
             # blocks outside the window are freed only when every layer slides (a hybrid model masks only)
@@ -135,10 +135,7 @@ class LLMEngine:
             config.pop("quantization", None)
         config["engine"] = "kvscope"
         if config.get("scheduler") == "vllm":
-            from kvscope.adapters.vllm_core import vllm_version
-
-            config["vllm_version"] = vllm_version()
-            config["null_block"] = 0  # vLLM's block 0 holds no KV: kv.total is num_blocks - 1
+            config.update(self.scheduler.hello_config())  # vLLM's version, and its null block
         config = self.backend.hello_config(config)
         config.update(self.hello_extra)
         # in the order hello.config goes on the wire (docs/PROTOCOL.md)

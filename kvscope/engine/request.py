@@ -78,7 +78,7 @@ class Request:
     event_text_chars: int = 0  # characters of its completion the step events have carried so far
     logprobs: list | None = None  # a TokenLogprobs per output token, when params.logprobs is set
     error: str | None = None  # finish reason "error": what went wrong
-    # KV blocks (kept by engine/block_manager.py): logical block i holds positions i*bs ..; the
+    # KV blocks (kept by engine/kv/block_manager.py): logical block i holds positions i*bs ..; the
     # first num_released_blocks left a sliding window and hold the null block. block_hashes: the
     # prefix-cache keys of its full blocks so far (with prefix caching).
     block_table: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # smaller number overflows float32 to inf, and softmax then yields NaN.

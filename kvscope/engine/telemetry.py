@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.kv_events import BlockDeltas
+from kvscope.engine.kv.block_manager import BlockManager
+from kvscope.engine.kv.events import BlockDeltas
 from kvscope.engine.request import Request, RequestStatus
-from kvscope.engine.scheduler import Scheduler
-from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.sched.scheduler import Scheduler
+from kvscope.engine.sched.output import SchedulerOutput
 from kvscope.protocol.blockmap import BlockMap
 from kvscope.protocol.events import (
     DECODE,

@@ -26,11 +26,11 @@ def select_attention_ops(device_type: str) -> AttentionOps:
     never imports triton (and tests can switch on its interpreter first).
     """
     if device_type == "cuda":
-        from kvscope.kernels import triton_attention
+        from kvscope.kernels.triton import attention as triton_attention
 
         return AttentionOps("triton", triton_attention.write_kv, triton_attention.paged_attention)
     if device_type == "cpu":
-        from kvscope.kernels import cpu_attention
+        from kvscope.kernels.cpu import library as cpu_attention
 
         if not cpu_attention.forced_reference() and cpu_attention.load() is not None:
             return AttentionOps("cpu-paged", cpu_attention.write_kv, cpu_attention.paged_attention)

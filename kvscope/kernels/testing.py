@@ -1,4 +1,4 @@
-"""Random paged-attention cases for the kernel tests and bench/gpu_check.py (not used by the engine)."""
+"""Random paged-attention cases for the kernel tests and benchmarks/gpu_check.py (not used by the engine)."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class VllmInfo(Struct, kw_only=True):
     interval: Float | UnsetType = UNSET  # seconds between scrapes
 
 
-# An SLO target in milliseconds: finite, >= 0, at most about 11.6 days (kvscope.analysis.goodput.MAX_SLO_MS;
+# An SLO target in milliseconds: finite, >= 0, at most about 11.6 days (kvscope.goodput.MAX_SLO_MS;
 # the writer refuses what this refuses).
 SloMs = Annotated[float, Meta(ge=0.0, le=1e9)]
 

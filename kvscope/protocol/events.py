@@ -32,7 +32,7 @@ from .types import (  # noqa: F401 - the schema's field types, re-exported
     Text,
     list_of,
 )
-from .vllm_events import (  # noqa: F401 - a recorded vLLM's events, re-exported
+from .vllm_watched import (  # noqa: F401 - a recorded vLLM's events, re-exported
     BlockHash,
     VllmBlockEvent,
     VllmCachedBlock,
@@ -70,7 +70,7 @@ FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_MAX_MODEL_LEN, FINISH_ABORT
 
 
 class Mode(StrEnum):
-    """The scheduler's four modes (hello.config.mode): settings of one scheduler, see engine/scheduler.py."""
+    """The scheduler's four modes (hello.config.mode): settings of one scheduler, see engine/sched/scheduler.py."""
 
     NAIVE = "naive"
     STATIC = "static"
@@ -295,7 +295,7 @@ class HeartbeatEvent(ProtocolEvent, tag="heartbeat"):
 
 
 # A watched vLLM's recording events (vllm_metrics, vllm_kv, vllm_snapshot) live in
-# kvscope.protocol.vllm_events; they are part of the one union.
+# kvscope.protocol.vllm_watched; they are part of the one union.
 Event = Union[HelloEvent, RequestEvent, RejectEvent, StepEvent, SnapshotEvent, ByeEvent, HeartbeatEvent,
               VllmMetricsEvent, VllmKvEvent, VllmSnapshotEvent]
 

@@ -1,7 +1,7 @@
 """The schema's field types: every limit the decoder enforces is part of a type here.
 
 ``kvscope.protocol.events`` (the events), ``engine_info`` (hello.config) and
-``vllm_events`` (a recorded vLLM) build their Structs from these; msgspec checks each
+``vllm_watched`` (a recorded vLLM) build their Structs from these; msgspec checks each
 bound while decoding.
 """
 

@@ -1,4 +1,4 @@
-"""`kvscope report`: traces, bench/race JSON and diagnose JSON as one self-contained HTML page.
+"""`kvscope report`: traces, benchmarks/race JSON and diagnose JSON as one self-contained HTML page.
 
 - ``series``: one pass over a trace into fixed-size, downsampled series (extremes kept);
 - ``inputs``: what each input file is, refused in one line when it is none of them;

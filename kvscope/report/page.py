@@ -60,7 +60,7 @@ def _notice(text: str) -> str:
 
 
 def _goodput_cells(run: RunSeries, f: dict) -> list[str]:
-    from kvscope.analysis.goodput import fmt_share, fmt_usd
+    from kvscope.goodput import fmt_share, fmt_usd
 
     cells = []
     if run.goodput.slo:

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvscope.analysis.goodput import GoodputTally, RequestRecord, Slo, resolve_slo, row_fields
+from kvscope.goodput import GoodputTally, RequestRecord, Slo, resolve_slo, row_fields
 from kvscope.protocol.events import DECODE, PREFILL
 from kvscope.quantiles import QuantileSketch
 

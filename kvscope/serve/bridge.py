@@ -20,7 +20,8 @@ import queue
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.errors import KvscopeError
+from kvscope.engine.errors import RequestRejected
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 

@@ -13,7 +13,8 @@ import time
 from typing import Callable, Iterable, Iterator
 
 from kvscope import workload as wl
-from kvscope.engine.errors import KvscopeError, RequestRejected
+from kvscope.errors import KvscopeError
+from kvscope.engine.errors import RequestRejected
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.metrics import MetricsCollector, Summary
 from kvscope.engine.request import Request

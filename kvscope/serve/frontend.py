@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 LOOPBACK_NAMES = ("localhost",)
 API_KEY_ENV = ("KVSCOPE_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given

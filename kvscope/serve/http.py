@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.serve import openai_protocol as oa
 from kvscope.serve.bridge import (ACCEPTED, BAD_MIN_TOKENS, DONE, QUEUE_FULL, REJECTED, STOPPED, TOO_LONG, EngineBridge,
                                   Job, Update)

@@ -23,7 +23,7 @@ from kvscope.protocol.events import (
     SnapshotEvent,
     StepEvent,
 )
-from kvscope.analysis.goodput import GoodputTally, RequestRecord, slo_of
+from kvscope.goodput import GoodputTally, RequestRecord, slo_of
 from kvscope.serve.metrics_defs import GoodputMetrics, KvscopeMetrics, VllmMetrics
 
 # vLLM's finished_reason label values (vllm.v1.engine.FINISH_REASON_STRINGS), all pre-created

@@ -8,6 +8,6 @@
 
 A cue is engine state (a preemption happened, a block is shared four ways), never wall time,
 and arrivals are keyed to engine steps, so a chapter plays the same on a fast machine, a slow
-one and the sim. The driver imports the engine; the screens (kvscope.tui.tour_app) see events
+one and the sim. The driver imports the engine; the screens (kvscope.tui.launch.tour) see events
 and a status object only.
 """

@@ -1,7 +1,7 @@
 """The moments the chapters wait for, each read from the state the dashboard itself shows.
 
 Every cue takes a CueContext and returns a Moment (the world freezes there) or None. They read
-``kvscope.tui.state.TuiState``, the reducer's output, so whatever a cue saw is on the screen when
+``kvscope.tui.model.state.TuiState``, the reducer's output, so whatever a cue saw is on the screen when
 the world stops. None reads a clock.
 """
 

@@ -22,7 +22,7 @@ from typing import Any
 from kvscope.analysis.signals import StepLog
 from kvscope.protocol.events import StepEvent
 from kvscope.tour.script import Chapter, CueContext, Moment, Scene, prompts
-from kvscope.tui.state import new_state, reduce
+from kvscope.tui.model.state import new_state, reduce
 
 MAX_BACKLOG = 4096  # events the screen has not read yet before the engine thread waits for it
 DIAGNOSIS_WINDOW = 2000

@@ -8,7 +8,7 @@ from kvscope.tour.driver import TourDriver, TourOptions
 
 def make_tour_app(options: TourOptions, *, chapter: int = 1, palette: str = "default", auto_tick: bool = True):
     """The app and its driver; the driver starts when the app mounts (tests drive it with Pilot)."""
-    from kvscope.tui.tour_app import tour_app
+    from kvscope.tui.launch.tour import tour_app
 
     driver = TourDriver(CHAPTERS, options, start_chapter=chapter)
     return tour_app(driver, palette=palette, auto_tick=auto_tick), driver

@@ -42,7 +42,7 @@ class CueContext:
     """What a cue may read: the reduced state the dashboard shows, the diagnosis window, the figures
     earlier scenes found, and the driver's own tallies."""
 
-    state: Any  # kvscope.tui.state.TuiState, folded from this scene's events
+    state: Any  # kvscope.tui.model.state.TuiState, folded from this scene's events
     log: Any  # kvscope.analysis.signals.StepLog of this scene
     findings: dict[str, dict[str, Any]]  # scene key -> Moment.figures
     itl_max: float  # the largest gap between two tokens of one request seen in this scene (s)

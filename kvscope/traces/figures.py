@@ -12,7 +12,7 @@ definitions the engine's own MetricsCollector uses:
   allocated slots.
 So a trace recorded by `kvscope race` gives the same row as bench for that run.
 
-Goodput (kvscope.analysis.goodput) folds the same finish records, judged against the
+Goodput (kvscope.goodput) folds the same finish records, judged against the
 SLO given (the trace's own unless overridden), over the same span as tok/s.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Iterable
 
-from ..analysis.goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields
+from ..goodput import NO_SLO, GoodputTally, RequestRecord, Slo, row_fields
 from ..protocol.events import RequestEvent, StepEvent
 from ..quantiles import QuantileSketch
 

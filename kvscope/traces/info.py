@@ -67,7 +67,7 @@ def _engine_lines(s, cfg: dict, info) -> list[str]:
     others = len([k for k in cfg if k not in _CONFIG_KEYS])
     if others:
         shown.append(f"(+{others} more)")
-    from ..analysis.goodput import slo_of_flat
+    from ..goodput import slo_of_flat
 
     slo = slo_of_flat(cfg)
     return [

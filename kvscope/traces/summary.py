@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analysis.goodput import GoodputTally
+from ..goodput import GoodputTally
 from ..protocol.events import TICK_TYPES, RejectEvent, RequestEvent, SnapshotEvent, StepEvent
 from ..quantiles import STANDARD, QuantileSketch
 

@@ -23,7 +23,7 @@ def run_replay(*args, **kwargs):
 
 
 def run_demo(*args, **kwargs):
-    from kvscope.tui.demo import run_demo as f
+    from kvscope.tui.launch.demo import run_demo as f
 
     return f(*args, **kwargs)
 

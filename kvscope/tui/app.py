@@ -22,7 +22,7 @@ from textual.screen import ModalScreen, Screen
 
 from kvscope.tui.feeds import DiagnosisUnavailable, EventFeed, Feed, LiveFeed, ReplayFeed, VllmFeed
 from kvscope.tui.palette import CB, DEFAULT, get_palette
-from kvscope.tui.player import Player
+from kvscope.tui.model.player import Player
 from kvscope.tui.screens import DashboardScreen, DiagnosisScreen, HelpScreen, LiveDashboard, ReplayDashboard
 from kvscope.tui.screens.base import FeedView
 
@@ -265,7 +265,8 @@ class KvscopeApp(App):
 def _feeds_for(source: Any, player: Player | None, *, address: str = "") -> tuple[list[Feed], Player | None]:
     """The feed a bare source needs: a trace gets a ReplayFeed and a player on the trace's own clock."""
     from kvscope.tui.feeds.live import LiveSourceLike
-    from kvscope.tui.sources import LiveSource, ReplayController
+    from kvscope.tui.sources.live import LiveSource
+    from kvscope.tui.sources.replay import ReplayController
 
     if isinstance(source, ReplayController):
         if player is None:

@@ -95,7 +95,7 @@ async def _shoot(path: str, out_path: str, size: tuple[int, int], step: int | No
 
 
 async def _shoot_compare(paths: list[str], out_path: str, size: tuple[int, int], at: float | None) -> None:
-    from kvscope.tui.compare_app import make_compare_app
+    from kvscope.tui.launch.compare import make_compare_app
 
     app = make_compare_app(paths, playing=False, clock=lambda: 0.0, auto_tick=False)
     async with app.run_test(size=size) as pilot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 MAX_LEN = 1 << 20  # no length (prompt, output) exceeds this, even from an unbounded distribution
 

@@ -3,7 +3,7 @@ that raises whenever it is in the batch. Everything else about the engine is rea
 
 from __future__ import annotations
 
-from kvscope.engine.sampler import Sampler
+from kvscope.engine.worker.sampler import Sampler
 
 
 class FaultySampler(Sampler):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from kvscope.protocol.events import HelloEvent, SnapshotEvent, StepEvent
-from kvscope.tui.state import CONN_REPLAY
+from kvscope.tui.model.state import CONN_REPLAY
 
 
 class ListSource:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 from kvscope.protocol import HelloEvent, SnapshotEvent, decode, encode
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvscope.adapters.vllm_metrics import parse
+from kvscope.vllm.watch.metrics import parse
 
 MODEL = "Qwen/Qwen3-8B"
 GPU = "h100-sxm5"
@@ -85,8 +85,8 @@ class _KvTap:
         self.pending: list = []
 
     def consume(self, kv_events: list) -> None:
-        from kvscope.adapters.vllm_wire import Removed, Stored
-        from kvscope.engine.kv_events import BlockRemoved, BlockStored
+        from kvscope.vllm.watch.wire import Removed, Stored
+        from kvscope.engine.kv.events import BlockRemoved, BlockStored
 
         for ev in kv_events:
             if type(ev) is BlockStored:
@@ -95,7 +95,7 @@ class _KvTap:
                 self.pending.append(Removed([ev.key], "GPU"))
 
     def take(self, ts: float):
-        from kvscope.adapters.vllm_wire import Batch
+        from kvscope.vllm.watch.wire import Batch
 
         if not self.pending:
             return None
@@ -156,15 +156,15 @@ def stream(name: str, seed: int = 0, wall_start: float = 1_700_000_000.0):
 
 def record(name: str, path, seed: int = 0) -> int:
     """Write the scenario's scrapes as `kvscope record --vllm` would; returns the scrapes written."""
-    from kvscope.adapters.vllm_record import VllmRecorder
-    from kvscope.adapters.vllm_source import VllmState
+    from kvscope.vllm.watch.record import VllmRecorder
+    from kvscope.vllm.watch.source import VllmState
 
     class _Source:  # what the recorder reads of a VllmSource
         url = "http://127.0.0.1:8000"
         interval = SCENARIOS[name].interval
         state = VllmState(url, None, None)
 
-    from kvscope.adapters.vllm_source import apply_batch
+    from kvscope.vllm.watch.source import apply_batch
 
     wall = 1_700_000_000.0
     source = _Source()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvscope.engine.attention_spec import AttentionSpec
+from kvscope.engine.loader.attention_spec import AttentionSpec
 from kvscope.engine.clock import VirtualClock
-from kvscope.engine.errors import KvscopeError
-from kvscope.engine.kv_sizing import KvBudget
+from kvscope.errors import KvscopeError
+from kvscope.engine.worker.kv_sizing import KvBudget
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import DTYPE_BYTES, CostModel, Efficiency
 from kvscope.engine.sim.runner import SimRunner
-from kvscope.engine.tokenizer import ByteTokenizer
+from kvscope.engine.loader.tokenizer import ByteTokenizer
 
 
 def validate_sim_config(config) -> None:

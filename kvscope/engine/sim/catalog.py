@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from kvscope.engine.errors import KvscopeError
+from kvscope.errors import KvscopeError
 
 GB = 1e9
 GiB = 1 << 30
@@ -124,7 +124,7 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
         source=_NV.format("A800 Tensor Core GPU (SXM4 80GB)") + ": 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS "
         "dense (624 sparse), no FP8; the A100's chip with NVLink cut to 400 GB/s bidirectional, PCIe Gen4. "
         "https://www.nvidia.cn/data-center/a800/", host_bw=32 * GB,
-        note="the GPU of the nano-vllm-triton / vLLM 0.10.2 anchors (bench/anchors.json)"),
+        note="the GPU of the nano-vllm-triton / vLLM 0.10.2 anchors (kvscope/bench/anchors.json)"),
     GPU("rtx-4070-laptop", 8 * GiB, 256 * GB, {"bf16": 40.1 * TFLOPS, "fp16": 40.1 * TFLOPS, "fp8": 80.2 * TFLOPS},
         0.0,
         source="NVIDIA GeForce RTX 4070 Laptop GPU specifications: 8 GB GDDR6 on a 128-bit bus at 16 Gbps "
@@ -238,12 +238,12 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 
 
 def _add_builtins() -> None:
-    # The engine's own built-in shapes (kvscope/engine/shapes.py), so a CPU trace of "tiny" can be calibrated.
-    from kvscope.engine.shapes import BUILTIN_SHAPES
+    # The engine's own built-in shapes (kvscope/engine/loader/shapes.py), so a CPU trace of "tiny" can be calibrated.
+    from kvscope.engine.loader.shapes import BUILTIN_SHAPES
 
     for name, shape in BUILTIN_SHAPES.items():
         if name not in MODELS:
-            MODELS[name] = _builtin(name, shape, "kvscope built-in shape, kvscope/engine/shapes.py BUILTIN_SHAPES")
+            MODELS[name] = _builtin(name, shape, "kvscope built-in shape, kvscope/engine/loader/shapes.py BUILTIN_SHAPES")
 
 
 _add_builtins()
@@ -285,7 +285,7 @@ def _checkpoint_stem(name: str) -> str:
 def _gguf_sizes(path: str) -> dict | None:
     """A GGUF file's shape (its header's sizes), if the file is here to read; a header the reader refuses (a
     hostile size, nesting or count) is that one-line error, not an unknown name."""
-    from kvscope.engine.gguf import GGUF_MAGIC, is_gguf_path, read_header
+    from kvscope.engine.loader.gguf import GGUF_MAGIC, is_gguf_path, read_header
 
     if not is_gguf_path(path) or not os.path.isfile(path):
         return None

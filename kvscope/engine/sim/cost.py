@@ -35,7 +35,7 @@ from kvscope.engine.sim.catalog import DTYPE_BYTES, GPU, ModelShape
 class Efficiency:
     """Fractions of the datasheet peaks a real engine reaches, and its fixed cost per step.
 
-    The defaults are fitted to published runs of real engines (bench/anchors.json, the
+    The defaults are fitted to published runs of real engines (kvscope/bench/anchors.json, the
     "fit" split; docs/SIM.md has the table and the validation split): eff_bw 0.832 of
     the HBM/GDDR bandwidth for weight and KV streaming, 3.2 ms of host and launch cost
     per step for kvscope's own kind of engine (a nano-vllm-style Python engine; its
@@ -154,7 +154,7 @@ def _default_kv_dtype(model: ModelShape) -> str:
     return model.embed_dtype or ("bf16" if model.weight_dtype == "fp8" else model.weight_dtype)
 
 
-# Efficiency fields that differ from the defaults, per engine the anchors name (bench/anchors.json):
+# Efficiency fields that differ from the defaults, per engine the anchors name (kvscope/bench/anchors.json):
 # fitted with the defaults (kvscope/bench/anchor_fit.py). vLLM pays more per step (its V1 engine core's
 # scheduling, detokenizing and IPC): 4.77 ms against 3.2 ms, from its A800 / RTX 4070 Laptop runs.
 ENGINE_PROFILES: dict[str, dict[str, float]] = {

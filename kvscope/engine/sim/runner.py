@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.sched.output import SchedulerOutput
 from kvscope.engine.sim.cost import CostModel, StepShape
 
 

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvscope.tui.state import new_state, reduce, reset_stats, set_connection
+from kvscope.tui.model.state import new_state, reduce, reset_stats, set_connection
 
 if TYPE_CHECKING:
     from kvscope.analysis.diagnose import Diagnosis

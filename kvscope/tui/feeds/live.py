@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from kvscope.tui.feeds.base import EngineControls, EventFeed, Notice
-from kvscope.tui.state import CONN_LIVE, note_local_drop, note_malformed
+from kvscope.tui.model.state import CONN_LIVE, note_local_drop, note_malformed
 
 
 @runtime_checkable

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvscope.tui.feeds.base import EventFeed
-from kvscope.tui.state import CONN_REPLAY
+from kvscope.tui.model.state import CONN_REPLAY
 
 if TYPE_CHECKING:
-    from kvscope.tui.runs import Run
-    from kvscope.tui.sources import ReplayController
+    from kvscope.tui.sources.runs import Run
+    from kvscope.tui.sources.replay import ReplayController
 
 
 class ReplayFeed(EventFeed):

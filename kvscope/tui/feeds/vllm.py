@@ -14,13 +14,13 @@ import time
 from typing import TYPE_CHECKING, Union
 
 from kvscope.tui.feeds.base import EngineControls, EngineRow, FeedHealth, Notice, Spark
-from kvscope.tui.state import CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
+from kvscope.tui.model.state import CONN_DISCONNECTED, CONN_LIVE, CONN_REPLAY
 
 if TYPE_CHECKING:
-    from kvscope.adapters.vllm_replay import VllmTraceSource
-    from kvscope.adapters.vllm_source import ReplayPosition, VllmSource, VllmState
+    from kvscope.vllm.watch.replay import VllmTraceSource
+    from kvscope.vllm.watch.source import ReplayPosition, VllmSource, VllmState
     from kvscope.analysis.diagnose import Diagnosis
-    from kvscope.tui.player import PlayerStatus
+    from kvscope.tui.model.player import PlayerStatus
 
 TOP_EVERY_S = 1.0  # the top-prefix list is the one costly piece: once a second is plenty
 
@@ -34,7 +34,7 @@ class VllmFeed:
     kind = "vllm"
 
     def __init__(self, source: "Union[VllmSource, VllmTraceSource]", *, name: str = "") -> None:
-        from kvscope.adapters.vllm_replay import VllmTraceSource
+        from kvscope.vllm.watch.replay import VllmTraceSource
 
         self.source = source
         self.recorded = isinstance(source, VllmTraceSource)
@@ -78,7 +78,7 @@ class VllmFeed:
         """The header's replay label for a recorded vLLM, at the player's status."""
         if not self.recorded:
             return None
-        from kvscope.adapters.vllm_source import ReplayPosition
+        from kvscope.vllm.watch.source import ReplayPosition
 
         src = self.source
         return ReplayPosition(os.path.basename(src.path), status.playing, status.done, status.speed, src.t,
@@ -118,7 +118,7 @@ class VllmFeed:
     def diagnose(self) -> "Diagnosis | None":
         """The same verdict `kvscope diagnose` gives a recorded vLLM, over the scrapes the view holds
         (no what-if here: that is the command's). None until two scrapes have arrived."""
-        from kvscope.adapters.vllm_diagnose import diagnose_state
+        from kvscope.vllm.diagnose.run import diagnose_state
         from kvscope.analysis.diagnose import NoSteps
 
         if self.view is None:

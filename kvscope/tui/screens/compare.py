@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
-from kvscope.tui.runs import differing_knobs, setup_line, workload_notice
+from kvscope.tui.sources.runs import differing_knobs, setup_line, workload_notice
 from kvscope.tui.screens.base import Command, FeedScreen
 from kvscope.tui.screens.dashboard import ReplayDashboard
 from kvscope.tui.screens.keys import PREEMPT_KEY, REPLAY_KEYS, PlayerKeys
@@ -26,7 +26,7 @@ from kvscope.tui.widgets.summary_strip import SummaryStrip
 if TYPE_CHECKING:
     from kvscope.tui.feeds import ReplayFeed
     from kvscope.tui.palette import Palette
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
 MIN_COLUMN_WIDTH = 38
 

@@ -16,7 +16,7 @@ from kvscope.tui.widgets import BatchView, BlockMap, HeaderBar, LatencyPanel, Qu
 if TYPE_CHECKING:
     from kvscope.tui.feeds import EventFeed
     from kvscope.tui.palette import Palette
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
 
 class DashboardScreen(FeedScreen):

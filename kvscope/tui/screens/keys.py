@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Iterable
 
 from textual.binding import Binding
 
-from kvscope.tui.player import BIG_JUMP
+from kvscope.tui.model.player import BIG_JUMP
 from kvscope.tui.screens.base import Command, FeedView
 from kvscope.tui.screens.seek import SeekScreen, seek_to
 
 if TYPE_CHECKING:
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
 REPLAY_KEYS = [
     Binding("space", "player('toggle')", "Play"),

@@ -23,7 +23,7 @@ from kvscope.tui.widgets.vllm_panels import VllmCache, VllmHeader, VllmLatency, 
 if TYPE_CHECKING:
     from kvscope.tui.feeds import VllmFeed
     from kvscope.tui.palette import Palette
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
 VLLM_CSS = """
 VllmHeader { height: 1; background: $panel; }

@@ -6,7 +6,7 @@ from rich.text import Text
 
 from kvscope.protocol.engine_info import engine_name, usable_blocks
 from kvscope.tui import fmt
-from kvscope.tui.state import CONN_CONNECTING, CONN_LIVE, CONN_REPLAY
+from kvscope.tui.model.state import CONN_CONNECTING, CONN_LIVE, CONN_REPLAY
 from kvscope.tui.widgets.base import StateWidget, join_lines
 
 

@@ -10,7 +10,7 @@ from kvscope.tui import fmt
 from kvscope.tui.widgets.base import StateWidget
 
 if TYPE_CHECKING:
-    from kvscope.tui.player import Player
+    from kvscope.tui.model.player import Player
 
 
 class ReplayBar(StateWidget):

@@ -9,7 +9,7 @@ from rich.text import Text
 from kvscope.protocol.events import FINISHED, PREEMPTED, RUNNING, SWAPPED, WAITING
 from kvscope.tui import fmt
 from kvscope.tui.palette import owner_color
-from kvscope.tui.state import (
+from kvscope.tui.model.state import (
     LOG_DECODE,
     LOG_FINISH,
     LOG_FIRST,

@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.message import Message
 
 from kvscope.tui import fmt
-from kvscope.tui.runs import Run, knob_text
+from kvscope.tui.sources.runs import Run, knob_text
 from kvscope.tui.widgets.base import StateWidget, join_lines
 from kvscope.tui.widgets.batch import BatchView
 from kvscope.tui.widgets.blockmap import BlockMap

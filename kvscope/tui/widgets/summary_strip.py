@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from kvscope.tui import fmt
-from kvscope.tui.runs import Run
+from kvscope.tui.sources.runs import Run
 from kvscope.tui.widgets.base import StateWidget, join_lines
 
 BEST = "★"

@@ -1,0 +1,407 @@
+"""kvscope's GPU check: kernel correctness in bf16, the decode kernel table, end-to-end throughput, a GPU trace.
+
+    benchmarks/gpu_check.sh RESULTS_DIR            # on a CUDA machine, under 8 minutes on an H200
+    python benchmarks/gpu_check.py --dry-run --out DIR   # CPU: tiny shapes through every code path
+
+Writes RESULTS_DIR/gpu-check.json after every section, so a failure or a
+timeout keeps what finished:
+
+    {"gpu": ..., "versions": {...}, "correctness": [...],
+     "decode": [{"B", "ctx", "ms", "gbps", "sdpa_gbps", "copy_gbps", ...}],
+     "e2e": [{"name", "output_tok_per_s", ...}], "trace": ..., "errors": {...}}
+
+Each section runs in its own child process (a CUDA error or an out-of-memory cannot
+spoil the next one) and records its error instead of stopping; a time budget
+(--budget-s) cuts off the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import time
+import traceback
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+GPU_DECODE_SHAPES = dict(B=(1, 16, 64, 256), ctx=(512, 4096, 16384), heads=32, kv_heads=8, head_dim=128,
+                         block_size=16)
+DRY_DECODE_SHAPES = dict(B=(1, 3), ctx=(40, 100), heads=8, kv_heads=2, head_dim=16, block_size=16)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Check:
+    def __init__(self, out_dir: str, dry_run: bool) -> None:
+        self.out_dir = out_dir
+        self.dry = dry_run
+        self.device = torch.device("cpu" if dry_run else "cuda")
+        self.path = os.path.join(out_dir, "gpu-check-dry-run.json" if dry_run else "gpu-check.json")
+        self.result: dict = {"gpu": None, "versions": {}, "dry_run": dry_run, "correctness": [], "decode": [],
+                             "e2e": [], "trace": None, "errors": {}, "seconds": {}}
+
+    def save(self) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def section(self, name: str, fn) -> None:
+        log(f"{name} ...")
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # one failing section must not lose the others
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+            self.result["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+        self.result["seconds"][name] = round(time.perf_counter() - t0, 2)
+        self.save()
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn) -> float:
+        if self.dry:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60))
+
+    # ---- 0: environment ----------------------------------------------------------------
+    def environment(self) -> None:
+        import importlib.metadata as md
+
+        versions = {"python": platform.python_version(), "torch": torch.__version__,
+                    "cuda": torch.version.cuda}
+        for pkg in ("triton", "transformers", "msgpack"):
+            try:
+                versions[pkg] = md.version(pkg)
+            except md.PackageNotFoundError:
+                versions[pkg] = None
+        self.result["versions"] = versions
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            self.result["gpu"] = torch.cuda.get_device_name(0)
+            self.result["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+            self.result["sm_count"] = props.multi_processor_count
+        else:
+            self.result["gpu"] = "none (dry run on CPU, Triton interpreter)"
+
+    # ---- 1: correctness ----------------------------------------------------------------
+    def correctness(self) -> None:
+        from kvscope.kernels import reference
+        from kvscope.kernels.triton import attention as triton_attention
+        from kvscope.kernels.triton import decode as triton_decode
+        from kvscope.kernels.triton import prefill as triton_prefill
+        from kvscope.kernels.testing import make_case
+
+        dtype = torch.float32 if self.dry else torch.bfloat16
+        tol = 2e-4 if self.dry else 3e-2
+        rows = self.result["correctness"]
+        if self.dry:
+            cases = [(8, 2, 16, 16, [1, 1, 9], [17, 40, 30])]
+        else:
+            cases = [(32, 8, 128, 16, [1] * 6 + [37, 300], [1, 100, 513, 4096, 16383, 7, 900, 300]),
+                     (16, 16, 64, 32, [1] * 3 + [64], [33, 1000, 5000, 200]),
+                     (32, 4, 128, 16, [1] * 4 + [129], [15, 2048, 3000, 77, 129]),
+                     (16, 8, 128, 32, [1] * 2 + [1000], [20000, 31, 1500])]
+
+        def record(name, shape, actual, expected):
+            err = (actual.float() - expected.float()).abs().max().item()
+            rows.append({"kernel": name, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                         "max_abs_err": err, "ok": bool(err <= tol + tol * expected.float().abs().max().item())})
+            log(f"  {name} {shape}: max abs err {err:.2e} {'ok' if rows[-1]['ok'] else 'MISMATCH'}")
+
+        for h, kvh, d, bs, qlens, slens in cases:
+            shape = f"H{h}/KVH{kvh} d{d} block{bs} q{qlens} ctx{slens}"
+            q, kc, vc, meta = make_case(qlens, slens, heads=h, kv_heads=kvh, head_dim=d, block_size=bs, dtype=dtype,
+                                        device=self.device, seed=h + d)
+            t = q.shape[0]
+            key = torch.randn(t, kvh, d, device=self.device).to(dtype)
+            value = torch.randn(t, kvh, d, device=self.device).to(dtype)
+            rk, rv = kc.clone(), vc.clone()
+            reference.write_kv(key, value, rk, rv, meta.slot_mapping)
+            triton_attention.write_kv(key, value, kc, vc, meta.slot_mapping)
+            rows.append({"kernel": "write_kv", "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                         "max_abs_err": 0.0 if torch.equal(rk, kc) and torch.equal(rv, vc) else None,
+                         "ok": bool(torch.equal(rk, kc) and torch.equal(rv, vc))})
+            expected = reference.paged_attention(q, rk, rv, meta, d ** -0.5)
+            record("paged_attention", shape, triton_attention.paged_attention(q, kc, vc, meta, d ** -0.5), expected)
+            window = 24 if self.dry else 1000  # sliding window: not a multiple of the block size
+            record(f"paged_attention window={window}", shape,
+                   triton_attention.paged_attention(q, kc, vc, meta, d ** -0.5, window),
+                   reference.paged_attention(q, rk, rv, meta, d ** -0.5, window))
+            decodes = [s for s, n in enumerate(qlens) if n == 1]
+            prefills = [s for s, n in enumerate(qlens) if n > 1]
+            ids = torch.tensor(decodes, dtype=torch.int32, device=self.device)
+            for splits in (1, 4):
+                out = torch.zeros_like(q)
+                triton_decode.decode_attention(q, kc, vc, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                               d ** -0.5, len(decodes), max(slens), seq_ids=ids, num_splits=splits)
+                rows_idx = meta.query_start_loc[ids.long()].long()
+                record(f"decode splits={splits}", shape, out[rows_idx], expected[rows_idx])
+            if prefills:
+                out = torch.zeros_like(q)
+                pid = torch.tensor(prefills, dtype=torch.int32, device=self.device)
+                triton_prefill.prefill_attention(q, kc, vc, out, meta.block_tables, meta.seq_lens,
+                                                 meta.query_start_loc, d ** -0.5, len(prefills),
+                                                 max(qlens[s] for s in prefills), seq_ids=pid)
+                qsl = meta.query_start_loc.tolist()
+                sel = torch.cat([torch.arange(qsl[s], qsl[s + 1]) for s in prefills]).to(self.device)
+                record("prefill", shape, out[sel], expected[sel])
+        bad = [r for r in rows if not r["ok"]]
+        if bad:
+            raise AssertionError(f"{len(bad)} kernel checks out of tolerance: {[r['kernel'] for r in bad]}")
+
+    # ---- 2: decode kernel table ----------------------------------------------------------
+    def decode_table(self) -> None:
+        from kvscope.kernels.triton import attention as triton_attention
+        from kvscope.kernels.metadata import AttentionMetadata
+        from kvscope.kernels.triton.decode import choose_num_splits
+
+        shp = DRY_DECODE_SHAPES if self.dry else GPU_DECODE_SHAPES
+        h, kvh, d, bs = shp["heads"], shp["kv_heads"], shp["head_dim"], shp["block_size"]
+        dtype = torch.float32 if self.dry else torch.bfloat16
+        elem = torch.empty((), dtype=dtype).element_size()
+        dev = self.device
+        for ctx in shp["ctx"]:
+            for b in shp["B"]:
+                nb = -(-ctx // bs)
+                total = b * nb
+                kv_bytes = 2 * b * ctx * kvh * d * elem
+                k_cache = torch.randn(total, bs, kvh, d, device=dev, dtype=dtype)
+                v_cache = torch.randn(total, bs, kvh, d, device=dev, dtype=dtype)
+                perm = torch.randperm(total, device=dev).to(torch.int32)
+                meta = AttentionMetadata(
+                    slot_mapping=torch.zeros(b, dtype=torch.long, device=dev),
+                    query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev),
+                    seq_lens=torch.full((b,), ctx, dtype=torch.int32, device=dev),
+                    block_tables=perm.view(b, nb), block_size=bs, query_lens_host=[1] * b, seq_lens_host=[ctx] * b)
+                q = torch.randn(b, h, d, device=dev, dtype=dtype)
+                scale = d ** -0.5
+                ms = self.time_ms(lambda: triton_attention.paged_attention(q, k_cache, v_cache, meta, scale))
+                # SDPA on the same K/V laid out contiguously: [B, KVH, ctx, D]
+                idx = perm.view(b, nb).long()
+                kc = k_cache[idx].reshape(b, nb * bs, kvh, d)[:, :ctx].transpose(1, 2).contiguous()
+                vc = v_cache[idx].reshape(b, nb * bs, kvh, d)[:, :ctx].transpose(1, 2).contiguous()
+                del k_cache, v_cache
+                q4 = q.unsqueeze(2)
+                sdpa_ms = self.time_ms(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale,
+                                                                              enable_gqa=True))
+                del kc, vc
+                n_copy = min(kv_bytes, 2 << 30) // elem
+                src = torch.empty(n_copy, device=dev, dtype=dtype)
+                dst = torch.empty_like(src)
+                copy_ms = self.time_ms(lambda: dst.copy_(src))
+                del src, dst
+                row = {"B": b, "ctx": ctx, "ms": ms, "gbps": kv_bytes / ms / 1e6,
+                       "sdpa_gbps": kv_bytes / sdpa_ms / 1e6, "copy_gbps": 2 * n_copy * elem / copy_ms / 1e6,
+                       "sdpa_ms": sdpa_ms, "num_splits": choose_num_splits(b, kvh, ctx, dev),
+                       "heads": h, "kv_heads": kvh, "head_dim": d, "block_size": bs,
+                       "dtype": str(dtype).removeprefix("torch.")}
+                row["vs_sdpa"] = row["gbps"] / row["sdpa_gbps"]
+                self.result["decode"].append(row)
+                log(f"  B={b:4d} ctx={ctx:6d}: {ms:8.3f} ms {row['gbps']:8.1f} GB/s  "
+                    f"sdpa {row['sdpa_gbps']:8.1f} GB/s ({row['vs_sdpa'] * 100:5.1f}%)  copy {row['copy_gbps']:8.1f} GB/s")
+                self.save()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    # ---- 3 + 4: end to end, with a trace of the kvscope run --------------------------------
+    def workload(self, n: int, lo: int, hi: int, vocab: int):
+        from kvscope.workload import WorkloadRequest
+
+        rng = random.Random(0)
+        return [WorkloadRequest(arrival=0.0, prompt=[rng.randrange(3, min(vocab, 50000)) for _ in
+                                                     range(rng.randint(lo, hi))],
+                                max_tokens=rng.randint(lo, hi), ignore_eos=True) for _ in range(n)]
+
+    def e2e(self, args) -> None:
+        from dataclasses import replace
+
+        from kvscope.bench import roofline
+        from kvscope.bench.harness import mode_row, warm_up
+        from kvscope.bench.peers import PEERS
+        from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
+        from kvscope.engine.config import EngineConfig
+        from kvscope.engine.llm_engine import LLMEngine
+        from kvscope.serve.driver import ServeOptions, Server
+        from kvscope.traces.writer import TraceWriter
+
+        if self.dry:
+            model, n, lo, hi = "tiny", 4, 4, 12
+            config = EngineConfig(model=model, device="cpu", mode="chunked", max_num_seqs=4,
+                                  max_num_batched_tokens=32, num_blocks=64, seed=0)
+        else:
+            model, n, lo, hi = "qwen3-0.6b-shape", args.num_requests, 100, 1024
+            config = EngineConfig(model=model, device="cuda", dtype="bfloat16", mode="chunked", max_num_seqs=256,
+                                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+        vocab = 256 if self.dry else 151936
+        items = self.workload(n, lo, hi, vocab)
+        self.result["e2e_workload"] = {"model": model, "num_requests": n, "prompt_len": [lo, hi],
+                                       "output_len": [lo, hi], "ignore_eos": True,
+                                       "max_num_batched_tokens": config.max_num_batched_tokens}
+        rows = self.result["e2e"]
+        names = [x for x in args.e2e.split(",") if x]
+
+        if "chunked" in names:
+            t0 = time.perf_counter()
+            engine = LLMEngine(config)
+            log(f"  chunked: engine ready in {time.perf_counter() - t0:.1f}s ({engine.num_blocks} KV blocks, "
+                f"attention {engine.runner.ops.name}, cuda graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'})")
+            warm_up(engine)
+            steps = roofline.StepShapes(engine.runner)
+            trace_dir = self.out_dir if self.dry else args.trace_dir
+            os.makedirs(trace_dir, exist_ok=True)
+            trace_path = os.path.join(trace_dir, "gpu-h200-chunked.kvtrace" if "H200" in str(self.result["gpu"])
+                                      else ("dry-run.kvtrace" if self.dry else "gpu-chunked.kvtrace"))
+            writer = TraceWriter(trace_path, engine.hello(), snapshot_provider=engine.snapshot)
+            engine.attach(writer)
+            server = Server(engine, ServeOptions(verbose_rejects=False))
+            server.run(items)
+            engine.close()
+            writer.close()
+            row = mode_row("chunked", engine, server, num_blocks=engine.num_blocks,
+                           cuda_graphs=getattr(engine.runner, "graphs", None) is not None,
+                           attention=engine.runner.ops.name)
+            # the roofline of the same steps at this device's measured GEMM rate and copy bandwidth
+            shape = shape_of_hf_config(engine.loaded.model.config, CATALOG_DTYPES[engine.dtype], name=model)
+            peaks = roofline.measure_peaks(shape, engine.backend.torch_dtype, config.max_num_batched_tokens,
+                                           device=engine.device)
+            row.extra.update(roofline.Roofline.of(peaks, shape).extra(steps.shapes, row.duration_s))
+            self.result["roofline"] = {"peaks": peaks.to_dict(), "formula": roofline.FORMULA}
+            log(f"  chunked: {peaks.line()}; roofline {row.extra['roofline_pct']:.1f}% of the run")
+            row = row.to_dict()
+            rows.append(row)
+            self.result["trace"] = {"path": trace_path, "bytes": os.path.getsize(trace_path)}
+            log(f"  chunked: {row['output_tok_per_s']:.1f} output tok/s, {row['steps']} steps; "
+                f"trace {trace_path} ({os.path.getsize(trace_path) / 2**20:.1f} MiB)")
+            self.save()
+            del engine, server, writer
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        peer_config = replace(config, max_num_seqs=args.static_batch if not self.dry else 4)
+        for name in ("hf-static", "hf-generate-batch"):
+            if name not in names:
+                continue
+            try:
+                row = PEERS[name](peer_config, items).to_dict()
+                rows.append(row)
+                log(f"  {name}: {row['output_tok_per_s']:.1f} output tok/s")
+            except Exception as e:
+                self.result["errors"][f"e2e/{name}"] = f"{type(e).__name__}: {e}"
+                log(f"  {name} FAILED: {type(e).__name__}: {e}")
+            self.save()
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+SECTIONS = ("correctness", "decode", "e2e:chunked", "e2e:hf-static", "e2e:hf-generate-batch")
+
+
+def run_section(args) -> int:
+    """Child mode: one section in this process, its part of the result written to --fragment."""
+    check = Check(args.out, args.dry_run)
+    check.path = args.fragment  # saves (after every row) go to the fragment, which the parent merges
+    check.environment()
+    name = args.section
+    if name == "correctness":
+        check.section(name, check.correctness)
+    elif name == "decode":
+        check.section(name, check.decode_table)
+    elif name.startswith("e2e:"):
+        args.e2e = name.removeprefix("e2e:")
+        check.section(name, lambda: check.e2e(args))
+    else:
+        raise SystemExit(f"unknown section {name!r}")
+    return 1 if check.result["errors"] else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results", help="results folder (default: benchmarks/results)")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, Triton interpreter, tiny model")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list, in order")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting work after this many seconds")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--static-batch", type=int, default=128, help="hf-static batch size (padded generate)")
+    p.add_argument("--trace-dir", default="traces")
+    p.add_argument("--section", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--fragment", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; use --dry-run for the CPU walk-through", file=sys.stderr)
+        return 2
+    if args.section:
+        return run_section(args)
+    # Each section runs in its own process: a CUDA error (or an out-of-memory) in one cannot poison
+    # the CUDA context or the memory of the next, and a hung section is cut off by the time budget.
+    import subprocess
+
+    deadline = time.monotonic() + args.budget_s
+    check = Check(args.out, args.dry_run)
+    check.section("environment", check.environment)
+    res = check.result
+    for name in [x for x in args.sections.split(",") if x]:
+        left = deadline - time.monotonic()
+        if left < 10:
+            res["errors"][name] = "skipped: out of time budget"
+            log(f"{name}: skipped, out of time")
+            continue
+        log(f"{name} (in a child process, {left:.0f}s left) ...")
+        fragment = os.path.join(args.out, f".gpu-check-{name.replace(':', '-')}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--fragment", fragment,
+               "--out", args.out, "--num-requests", str(args.num_requests),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--static-batch", str(args.static_batch), "--trace-dir", args.trace_dir]
+        if args.dry_run:
+            cmd.append("--dry-run")
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        res["seconds"][name] = round(time.perf_counter() - t0, 2)
+        try:
+            with open(fragment) as f:
+                part = json.load(f)
+            os.remove(fragment)
+        except (OSError, ValueError):
+            part = {}
+        for key in ("correctness", "decode", "e2e"):
+            res[key].extend(part.get(key) or [])
+        for key in ("trace", "e2e_workload", "roofline"):
+            if part.get(key) is not None:
+                res[key] = part[key]
+        res["errors"].update(part.get("errors") or {})
+        if rc != 0 and not part.get("errors"):
+            res["errors"][name] = f"child process ended with {rc}"
+        check.save()
+    log(f"wrote {check.path}; errors: {sorted(res['errors']) or 'none'}")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

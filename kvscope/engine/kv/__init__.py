@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: blocks, refcounts, the prefix cache, the change queue, swap's CPU pool. No torch at import."""

@@ -1,0 +1,1 @@
+"""Where weights come from: built-in shapes, named real models, GGUF files, the converted-model cache, tokenizers."""

@@ -1,0 +1,1 @@
+"""`kvscope diagnose` for a watched vLLM: its signals, verdicts and the knobs in vLLM's own flags."""
