@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             res["warmup"] = rnd < args.warmup
             runs[r].append(res)
             shown = {k: v for k, v in res.items() if v is not None}
-            print(f"startup.py: {r} round {rnd + 1}: {shown}", file=sys.stderr, flush=True)
+            print(f"startup.py: {r} run {rnd + 1}: {shown}", file=sys.stderr, flush=True)
     out_rows = []
     for r in rows:
         kept = [x for x in runs[r] if not x["warmup"]]

@@ -236,7 +236,7 @@ def main() -> int:
                     else:
                         got = ROWS[row](n)
                     runs[row][f"{load}/{n}"].append(got)
-                    print(f"[threads] round {rnd + 1} {row} {load} threads={n} (load avg {uptimes[-1]:.1f}): " +
+                    print(f"[threads] run {rnd + 1} {row} {load} threads={n} (load avg {uptimes[-1]:.1f}): " +
                           ", ".join(f"{k} {v:.1f} tok/s" for k, v in got.items()), file=sys.stderr, flush=True)
     if args.competitor:
         print(contention_table(runs, threads, loads))

@@ -175,8 +175,8 @@ def test_every_command_spins_briefly_even_one_that_imports_torch_early():
 def test_the_tuner_compares_like_for_like_steps_when_time_is_not_proportional_to_work():
     """The tiny model's steps cost mostly a fixed host overhead, so seconds per priced unit of work swing
     with the batch (prefill-heavy stretches look cheap per unit, decode stretches dear). Comparing a probe
-    window with a baseline window of other batches then decided by the batch, not the thread count (issue
-    29's loaded bench kept 2 threads at 440 tok/s against one thread's 827); adjacent pairs do not."""
+    window with a baseline window of other batches then decided by the batch, not the thread count (a loaded
+    bench kept 2 threads at 440 tok/s against one thread's 827); adjacent pairs do not."""
     from kvscope.engine.cpu.threads import ThreadTuner
 
     factor = {2: 3.0, 1: 1.0}  # a competitor: two threads three times slower

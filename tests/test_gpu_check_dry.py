@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gpu_check_dry_run_writes_the_issue_json_shape_and_survives_a_failing_section(tmp_path):
+def test_gpu_check_dry_run_writes_its_json_shape_and_survives_a_failing_section(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--out",
                            str(tmp_path), "--sections", "correctness,bogus,decode,e2e:chunked"], capture_output=True, text=True, env=env,

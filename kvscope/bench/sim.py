@@ -99,7 +99,7 @@ def run_lesson(preset: dict, overrides: dict | None = None, log=print, slo: Slo 
 
 
 def compare_to_reference(rows: list[dict], ref: dict) -> dict:
-    """Mode ratios, the sim's against the lesson's (ratios are what the issue asks to reproduce)."""
+    """Mode ratios, the sim's against the lesson's (the ratios are what the sim must reproduce)."""
     by = {r["name"]: r for r in rows}
     out: dict = {"throughput_ratios": {}, "itl_p99_ratio": None, "ordering_sim": None, "ordering_ref": None}
     tps = ref.get("output_tok_per_s", {})
