@@ -108,7 +108,8 @@ def step_record(ev, digest_batch: bool) -> list:
     return [_digest(batch) if digest_batch else batch, _digest(rest)]
 
 
-def run_case(settings: dict, spec: dict, seed: int = 0) -> list[list]:
+def run_case(settings: dict, spec: dict, seed: int = 0, keep: list | None = None) -> list[list]:
+    """Each step's record; ``keep``: a list that also gets the StepEvents themselves."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.sampling_params import SamplingParams
@@ -126,6 +127,8 @@ def run_case(settings: dict, spec: dict, seed: int = 0) -> list[list]:
             i += 1
         engine.step()
         step += 1
+    if keep is not None:
+        keep.extend(sink.steps)
     return [step_record(ev, spec.get("digest_batch", False)) for ev in sink.steps]
 
 
