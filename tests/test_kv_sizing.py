@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvscope.engine.kv import budget as kv_budget
 from kvscope.engine.worker import kv_sizing
 from kvscope.errors import KvscopeError
 from kvscope.engine.errors import RequestRejected
@@ -15,31 +16,31 @@ TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 32 * 4
 
 
 def test_default_is_a_share_of_available_memory_within_the_caps():
-    cap = kv_sizing.CPU_KV_CACHE_CAP_BYTES
-    share = kv_sizing.cpu_kv_budget(None, need_bytes=100 * GiB, available=6 * GiB)
-    assert share.bytes == int(6 * GiB * kv_sizing.CPU_KV_CACHE_FRACTION) and "6.0 GiB available" in share.how
-    capped = kv_sizing.cpu_kv_budget(None, need_bytes=100 * GiB, available=64 * GiB)
+    cap = kv_budget.CPU_KV_CACHE_CAP_BYTES
+    share = kv_budget.cpu_kv_budget(None, need_bytes=100 * GiB, available=6 * GiB)
+    assert share.bytes == int(6 * GiB * kv_budget.CPU_KV_CACHE_FRACTION) and "6.0 GiB available" in share.how
+    capped = kv_budget.cpu_kv_budget(None, need_bytes=100 * GiB, available=64 * GiB)
     assert capped.bytes == cap and "capped" in capped.how
-    needed = kv_sizing.cpu_kv_budget(None, need_bytes=GiB // 8, available=64 * GiB)
+    needed = kv_budget.cpu_kv_budget(None, need_bytes=GiB // 8, available=64 * GiB)
     assert needed.bytes == GiB // 8, "never more than max_num_seqs x max_model_len can use"
 
 
 def test_explicit_space_is_taken_as_given_or_refused_in_one_line():
-    assert kv_sizing.cpu_kv_budget(1.5, need_bytes=GiB, available=8 * GiB).bytes == int(1.5 * GiB)
+    assert kv_budget.cpu_kv_budget(1.5, need_bytes=GiB, available=8 * GiB).bytes == int(1.5 * GiB)
     with pytest.raises(KvscopeError) as e:
-        kv_sizing.cpu_kv_budget(12, need_bytes=GiB, available=8 * GiB)
+        kv_budget.cpu_kv_budget(12, need_bytes=GiB, available=8 * GiB)
     assert str(e.value) == "kv_cache_space 12 GiB does not fit: 8.0 GiB of memory is available"
 
 
 def test_a_budget_below_one_block_is_an_error():
     with pytest.raises(KvscopeError, match="holds no block"):
-        kv_sizing.num_blocks_for(kv_sizing.KvBudget(1000, "kv_cache_space 1e-06 GiB"), 4096)
+        kv_budget.num_blocks_for(kv_budget.KvBudget(1000, "kv_cache_space 1e-06 GiB"), 4096)
 
 
 def test_engine_sizes_from_faked_memory_and_hello_carries_the_size(monkeypatch):
     from kvscope.engine import EngineConfig, LLMEngine
 
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 64 << 20)  # 64 MiB "available"
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 64 << 20)  # 64 MiB "available"
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=4))
     assert engine.num_blocks == (32 << 20) // TINY_BLOCK_BYTES  # half of it
     hello = engine.hello().config
@@ -65,7 +66,7 @@ def test_a_request_that_can_never_fit_is_rejected_in_one_line():
 def test_cli_kv_cache_space_that_does_not_fit_is_one_line(monkeypatch, capsys):
     from kvscope.cli import main
 
-    monkeypatch.setattr(kv_sizing, "available_memory_bytes", lambda: 2 * GiB)
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 2 * GiB)
     assert main(["serve", "--device", "cpu", "--kv-cache-space", "3", "--num-requests", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == "kvscope: error: kv_cache_space 3 GiB does not fit: 2.0 GiB of memory is available\n"

@@ -45,7 +45,7 @@ class WhatIf(msgspec.Struct, kw_only=True):
 
 def _auto_blocks(settings: dict) -> int:
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.worker.kv_sizing import num_blocks_for
+    from kvscope.engine.kv.budget import num_blocks_for
     from kvscope.engine.sim.backend import SimBackend
 
     cfg = EngineConfig(**{**settings, "num_blocks": None})

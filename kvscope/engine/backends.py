@@ -23,7 +23,7 @@ from kvscope.engine.config import EngineConfig
 if TYPE_CHECKING:
     from kvscope.engine.loader.attention_spec import AttentionSpec
     from kvscope.engine.clock import VirtualClock, WallClock
-    from kvscope.engine.worker.kv_sizing import KvBudget
+    from kvscope.engine.kv.budget import KvBudget
     from kvscope.engine.sampling_params import SamplingParams
     from kvscope.engine.sched.output import SchedulerOutput
     from kvscope.engine.loader.tokenizer import Tokenizer

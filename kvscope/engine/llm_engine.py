@@ -13,7 +13,7 @@ from kvscope.engine.config import MAX_NUM_BLOCKS, PREEMPT_SWAP, EngineConfig
 from kvscope.errors import KvscopeError
 from kvscope.engine.errors import RequestRejected
 from kvscope.engine.kv.events import BlockDeltaFold
-from kvscope.engine.worker.kv_sizing import GiB, KvBudget, num_blocks_for
+from kvscope.engine.kv.budget import GiB, KvBudget, num_blocks_for
 from kvscope.engine.request import Request, priority_problem
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.sched import external_scheduler

@@ -1,5 +1,7 @@
-"""Other engines' streams, read with their own wire formats: vLLM's Prometheus metrics and KV-cache events.
+"""A real vLLM in kvscope's terms: watched from outside (watch/), its scheduler in-process and kvscope inside
+`vllm serve` (inproc/), diagnosed (diagnose/), started and stopped (launch/), and kvscope's own prefix cache
+published in vLLM's KV-event format (publish.py).
 
-Nothing here imports kvscope.engine: an adapter turns another engine's bytes into a
-view state that the TUI draws, exactly as kvscope's own reducer does for its events.
+vLLM itself is imported only by inproc/ (watched.py at its top, as vLLM loads it; the others where they use
+it): watching, diagnosing and launching a vLLM need no vLLM in kvscope's own venv.
 """

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvscope.engine.loader.attention_spec import AttentionSpec
 from kvscope.engine.clock import VirtualClock
 from kvscope.errors import KvscopeError
-from kvscope.engine.worker.kv_sizing import KvBudget
+from kvscope.engine.kv.budget import KvBudget
 from kvscope.engine.sim import catalog
 from kvscope.engine.sim.cost import DTYPE_BYTES, CostModel, Efficiency
 from kvscope.engine.sim.runner import SimRunner

@@ -1,1 +1,2 @@
-"""The torch side of a step: inputs, the forward over the paged KV cache, sampling, attention plumbing, CUDA graphs, and how big the KV pool can be."""
+"""The torch side of a step: inputs, the forward over the paged KV cache, sampling, attention plumbing, CUDA graphs,
+swap copies, the GPU's KV budget and the CPU pool's allocation."""

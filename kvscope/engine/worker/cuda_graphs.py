@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (KV sizing, the GPU path's other start-up job, is in kv_sizing.py).
+"""CUDA graphs for decode steps (KV sizing, the GPU path's other start-up job, is in kv_sizing.py and kv/budget.py).
 
 A decode-only step launches a few hundred small
 kernels per forward, so its CPU launch cost can exceed its GPU time. The whole

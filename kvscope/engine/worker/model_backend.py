@@ -8,6 +8,7 @@ prefer_short_spin_wait()  # idle OpenMP threads spin briefly, then sleep: must b
 
 import torch  # noqa: E402
 
+from kvscope.engine.kv import budget as kv_budget
 from kvscope.engine.worker import kv_sizing
 from kvscope.engine.clock import WallClock
 from kvscope.engine.config import EngineConfig, Mode, host_memory_bytes, usable_cores
@@ -116,9 +117,9 @@ class ModelBackend:
     def kv_block_bytes(self, block_size: int) -> int:
         m = self.model
         elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return kv_sizing.kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, block_size, elem)
+        return kv_budget.kv_bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, block_size, elem)
 
-    def kv_budget(self) -> kv_sizing.KvBudget:
+    def kv_budget(self) -> kv_budget.KvBudget:
         c = self.config
         if self.on_cuda:
             def make_runner(num_blocks: int) -> ModelRunner:
@@ -132,15 +133,15 @@ class ModelBackend:
         max_len = min(c.max_model_len or self.model.max_position_embeddings, self.model.max_position_embeddings)
         need = c.effective_max_num_seqs * kv_sizing.blocks_needed(max_len, c.block_size) * self.kv_block_bytes(
             c.block_size)
-        return kv_sizing.cpu_kv_budget(c.kv_cache_space, need_bytes=need,
-                                       available=kv_sizing.available_memory_bytes())
+        return kv_budget.cpu_kv_budget(c.kv_cache_space, need_bytes=need,
+                                       available=kv_budget.available_memory_bytes())
 
     def check_kv_fits(self, nbytes: int) -> None:
         """An explicit num_blocks is checked against the device's memory before the cache is allocated."""
         have = torch.cuda.mem_get_info(self.torch_device)[0] if self.on_cuda else host_memory_bytes()
         if have is not None and nbytes > have:
-            raise KvscopeError(f"num_blocks {self.config.num_blocks} needs {nbytes / kv_sizing.GiB:.1f} GiB of KV "
-                               f"cache; {self.device} has {have / kv_sizing.GiB:.1f} GiB")
+            raise KvscopeError(f"num_blocks {self.config.num_blocks} needs {nbytes / kv_budget.GiB:.1f} GiB of KV "
+                               f"cache; {self.device} has {have / kv_budget.GiB:.1f} GiB")
 
     def make_runner(self, num_blocks: int, max_model_len: int) -> ModelRunner:
         c = self.config

@@ -159,7 +159,7 @@ def default_kv_cache_gib(dp_size: int, available: int | None = None) -> int:
     """VLLM_CPU_KVCACHE_SPACE when nothing sets it: kvscope's own CPU rule (half the available memory, at most
     4 GiB) shared by the ranks, whole GiB, at least 1 each. Without it vLLM's CPU backend reserves
     --gpu-memory-utilization (0.92) of the node's memory and refuses to start beside anything else."""
-    from kvscope.engine.worker.kv_sizing import CPU_KV_CACHE_CAP_BYTES, CPU_KV_CACHE_FRACTION, GiB, available_memory_bytes
+    from kvscope.engine.kv.budget import CPU_KV_CACHE_CAP_BYTES, CPU_KV_CACHE_FRACTION, GiB, available_memory_bytes
 
     avail = available_memory_bytes() if available is None else available
     total = min(int(avail * CPU_KV_CACHE_FRACTION), CPU_KV_CACHE_CAP_BYTES)
