@@ -193,9 +193,9 @@ def environment() -> dict:
 
 
 def seed_workdir(path: str) -> None:
-    """What the docs' commands expect in the current directory: the repo's traces/ and bench/
+    """What the docs' commands expect in the current directory: the repo's traces/ and benchmarks/
     (read only), the venv as .venv, and a recorded run as run.kvtrace (a copy of the demo)."""
-    for name in ("traces", "bench"):
+    for name in ("traces", "benchmarks"):
         os.symlink(os.path.join(ROOT, name), os.path.join(path, name))
     os.symlink(sys.prefix, os.path.join(path, ".venv"))
     with open(os.path.join(ROOT, "traces", "demo-cpu.kvtrace"), "rb") as src, \

@@ -79,7 +79,7 @@ def _run_capped(code: str, **env: str) -> list[str]:
 @pytest.mark.skipif("avx2" not in HERE, reason="needs a CPU with AVX2 to cap down to it")
 def test_kvscope_s_switch_reaches_onednn_aten_and_every_probe():
     code = ("import os, torch, kvscope\n"
-            "from kvscope.engine import cpu_dtype, cpu_linear\n"
+            "from kvscope.engine.cpu import dtype as cpu_dtype, linear as cpu_linear\n"
             "print(os.environ['ONEDNN_MAX_CPU_ISA']); print(torch.backends.cpu.get_cpu_capability())\n"
             "print(cpu_dtype.auto_cpu_dtype().reason)\n"
             "print(cpu_linear.packing_unavailable(torch.bfloat16)); print(cpu_linear.packing_unavailable(torch.float32))\n"

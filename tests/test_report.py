@@ -15,8 +15,8 @@ from kvscope.report.series import MAX_BUCKETS, RequestSample, StepSeries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RACE_CPU = sorted(os.path.join(ROOT, "traces", "race-cpu", f) for f in os.listdir(os.path.join(ROOT, "traces", "race-cpu")))
-RACE_JSON = os.path.join(ROOT, "bench", "results", "race-cpu.json")
-DIAGNOSE_JSON = os.path.join(ROOT, "bench", "results", "diagnose", "kv-h100-70b.json")
+RACE_JSON = os.path.join(ROOT, "benchmarks", "results", "race-cpu.json")
+DIAGNOSE_JSON = os.path.join(ROOT, "benchmarks", "results", "diagnose", "kv-h100-70b.json")
 TRACE_PLOTS = ("throughput", "latency", "queues", "kv", "tokens", "gantt")
 
 
