@@ -322,3 +322,21 @@ def test_a_trace_of_vllms_scheduler_replays_through_it():
            "long_prefill_token_threshold": 512, "max_num_seqs": 60}
     s = sim_settings(cfg)
     assert (s["scheduler"], s["long_prefill_token_threshold"]) == ("vllm", 512)
+
+
+def test_the_knob_table_names_real_flags_of_both_engines():
+    """analysis.knobs.FLAGS: every kvscope flag is one `kvscope serve` takes, every vLLM flag a field of
+    vLLM's own EngineArgs (`vllm serve --max-num-seqs` is EngineArgs.max_num_seqs)."""
+    import argparse
+    import dataclasses
+
+    from kvscope.analysis.knobs import FLAGS
+    from kvscope.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve_flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings}
+    assert [f.kvscope for f in FLAGS.values() if f.kvscope and f.kvscope not in serve_flags] == []
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    fields = {f.name for f in dataclasses.fields(arg_utils.EngineArgs)}
+    assert [f.vllm for f in FLAGS.values() if f.vllm and f.vllm[2:].replace("-", "_") not in fields] == []
+    assert sum(1 for f in FLAGS.values() if f.vllm) >= 8
