@@ -83,7 +83,7 @@ def test_the_installed_package_is_the_one_imported(site, tmp_path):
     assert out.strip().startswith(site_dir), out
 
 
-def test_serve_replay_trace_info_and_diagnose_run_from_the_install(site, tmp_path):
+def test_serve_trace_info_and_replay_run_from_the_install(site, tmp_path):
     site_dir, _ = site
     trace = shutil.copy(TRACE, tmp_path / "demo.kvtrace")
     _run(site_dir, tmp_path, "serve", "--backend", "sim", "--model", "qwen3-0.6b", "--num-requests", "4",

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = ("torch", "transformers")
 
@@ -270,7 +272,6 @@ def test_the_layer_check_sees_a_crossing():
 
 def test_the_dotted_paths_users_type_into_vllm_still_resolve():
     """``--scheduler-cls kvscope.adapters.vllm_watch.WatchedScheduler`` and the plugin's old entry point."""
-    pytest = __import__("pytest")
     pytest.importorskip("vllm")
     from kvscope.adapters import vllm_plugin, vllm_watch
     from kvscope.vllm.inproc import plugin, watched

@@ -73,7 +73,8 @@ def is_gpu(config: dict) -> bool:
     return config.get("backend") == "sim" or str(config.get("device", "")).startswith("cuda")
 
 
-def _knob(flag: str, frm, to, why: str) -> Knob:
+def knob(flag: str, frm, to, why: str) -> Knob:
+    """One knob: turn ``flag`` from ``frm`` to ``to``, and why (kvscope's rules and vLLM's build them alike)."""
     return Knob(flag=flag, from_=frm, to=to, why=why)
 
 
@@ -82,24 +83,25 @@ def _kv_knobs(cfg: dict, s: Signals) -> list[Knob]:
     sim = cfg.get("backend") == "sim"
     gmu = cfg.get("gpu_memory_utilization")
     if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_HIGH:
-        out.append(_knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_HIGH, "more of the GPU's memory for KV blocks"))
+        out.append(knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_HIGH, "more of the GPU's memory for KV blocks"))
     kv_dtype = str(cfg.get("kv_cache_dtype") or "")
     if sim and kv_dtype in WIDE_KV_DTYPES:
-        out.append(_knob(KVSCOPE["kv_cache_dtype"], kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
+        out.append(knob(KVSCOPE["kv_cache_dtype"], kv_dtype, "fp8", "an FP8 KV cache holds twice the tokens per GiB"))
     blocks = cfg.get("num_blocks")
     if not is_gpu(cfg) and isinstance(blocks, int):
-        out.insert(0, _knob(KVSCOPE["num_blocks"], blocks, 2 * blocks, "twice the KV blocks: fewer preemptions and "
+        out.insert(0, knob(KVSCOPE["num_blocks"], blocks, 2 * blocks, "twice the KV blocks: fewer preemptions and "
                             "fewer admissions blocked on kv_blocks"))
     seqs = cfg.get("max_num_seqs")
     if isinstance(seqs, int) and s.running_max > 2:
-        out.append(_knob(KVSCOPE["max_num_seqs"], seqs, max(1, s.running_max // 2),
+        out.append(knob(KVSCOPE["max_num_seqs"], seqs, max(1, s.running_max // 2),
                          "fewer concurrent sequences fit the pool without preempting each other"))
     if cfg.get("preemption", cfg.get("preemption_mode")) == "recompute" and s.preemptions_kv:
-        out.append(_knob(KVSCOPE["preemption"], "recompute", "swap", "swap preempted KV to CPU instead of recomputing it"))
+        out.append(knob(KVSCOPE["preemption"], "recompute", "swap", "swap preempted KV to CPU instead of recomputing it"))
     return out
 
 
-def _budget_to(b: int) -> int:
+def budget_to(b: int) -> int:
+    """A bigger step budget: four times a small one, twice a large one."""
     return 4 * b if b < 512 else 2 * b
 
 
@@ -110,26 +112,26 @@ def candidates(verdict: str, cfg: dict, s: Signals) -> list[Knob]:
     if verdict == V.KV_CAPACITY:
         return _kv_knobs(cfg, s)
     if verdict == V.MAX_NUM_SEQS and isinstance(seqs, int):
-        return [_knob(KVSCOPE["max_num_seqs"], seqs, 2 * seqs, "the batch is capped by max_num_seqs while KV blocks "
+        return [knob(KVSCOPE["max_num_seqs"], seqs, 2 * seqs, "the batch is capped by max_num_seqs while KV blocks "
                       "and the token budget are free")]
     if verdict == V.TOKEN_BUDGET and isinstance(budget, int):
-        return [_knob(KVSCOPE["max_num_batched_tokens"], budget, _budget_to(budget),
+        return [knob(KVSCOPE["max_num_batched_tokens"], budget, budget_to(budget),
                       "a bigger per-step budget prefills waiting prompts sooner")]
     if verdict == V.PREFILL_INTERFERENCE:
         if mode == "continuous":
-            return [_knob(KVSCOPE["chunked_prefill"], mode, "chunked", "chunked prefill interleaves prompt chunks with decodes, "
+            return [knob(KVSCOPE["chunked_prefill"], mode, "chunked", "chunked prefill interleaves prompt chunks with decodes, "
                           "so a long prompt no longer stalls every decode")]
         if isinstance(budget, int) and budget > 64:
-            return [_knob(KVSCOPE["max_num_batched_tokens"], budget, max(64, budget // 4 if budget > 1024 else budget // 2),
+            return [knob(KVSCOPE["max_num_batched_tokens"], budget, max(64, budget // 4 if budget > 1024 else budget // 2),
                           "smaller prefill chunks per step keep each decode step short")]
     if verdict == V.BATCHING_MODE:
-        return [_knob(KVSCOPE["chunked_prefill"], mode, "chunked", "iteration-level batching admits and releases every step, "
+        return [knob(KVSCOPE["chunked_prefill"], mode, "chunked", "iteration-level batching admits and releases every step, "
                       "with chunked prefill")]
     if verdict == V.POLICY_STARVATION and policy not in (None, "fcfs"):
-        return [_knob(KVSCOPE["policy"], policy, "fcfs", "first come, first served passes nobody over")]
+        return [knob(KVSCOPE["policy"], policy, "fcfs", "first come, first served passes nobody over")]
     if verdict == V.COMPUTE_BOUND and cfg.get("backend") == "sim":
         tp = cfg.get("tp") or 1
-        return [_knob(KVSCOPE["tp"], tp, 2 * tp, "the scheduler knobs are exhausted: steps are full and at the "
+        return [knob(KVSCOPE["tp"], tp, 2 * tp, "the scheduler knobs are exhausted: steps are full and at the "
                       "roofline, so only more GPUs per replica shorten them")]
     return []
 
@@ -158,7 +160,7 @@ def choose(verdict: str, secondary: list[V.Ruling], cfg: dict, s: Signals) -> tu
     if is_gpu(cfg) and isinstance(gmu, (int, float)) and gmu < GMU_FLOOR:
         refusals.append(f"GPU memory utilization {gmu:g} is below {GMU_FLOOR:g}: raise it first; "
                         "no other knob is advised until it is")
-        return [_knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
+        return [knob(KVSCOPE["gpu_memory_utilization"], gmu, GMU_TARGET, "below 0.7 most of the GPU's memory is "
                       "unused, so every other figure is measured on a starved KV pool")], refusals
     unique = with_runners_up(candidates, verdict, secondary, cfg, s)
     if verdict not in (V.COMPUTE_BOUND, V.UNDERLOADED) and is_gpu(cfg):
