@@ -701,3 +701,20 @@ def test_a_trickling_server_gets_a_bounded_time_to_say_its_version_and_kv_source
     finally:
         server.close()
     assert took < 20  # a hang check with room for a loaded machine (budgets 0.5 s + 3 s), not a speed test
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "x" * 65, "0.32\x1b[31m", 32, None])
+def test_a_servers_version_is_taken_only_as_a_short_printable_string(version):
+    """GET /version answers {"version": ...}: a long, non-printable or non-string value is not a version."""
+    from tests.fakes.vllm import FakeMetricsServer
+
+    from kvscope.vllm.watch.endpoints import server_version
+
+    server = FakeMetricsServer()
+    server.version = version  # None: the server has no /version (404)
+    try:
+        with httpx.Client(timeout=10) as client:
+            got = server_version(server.url, client)
+    finally:
+        server.close()
+    assert got == ("0.32.0" if version == "0.32.0" else None)
