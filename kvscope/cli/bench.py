@@ -34,7 +34,8 @@ class Bench(Command):
         p.add_argument("--roofline", action="store_true", help="measure this machine's GEMM FLOP/s and bandwidth "
                        "and give each row its roofline %% (docs/BENCHMARKS.md, Real size on a CPU)")
         p.add_argument("--host-overhead", action="store_true",
-                       help="host time per step at 64, 256 and 1,024 running, with no compute")
+                       help="host time per step at 64, 256 and 1,024 running, with no compute, beside vLLM's own "
+                            "scheduler on the same requests (also: --device null)")
         p.add_argument("--preset", metavar="NAME", help="sim bench preset: lesson or fragmentation, or a .json file")
         p.add_argument("--anchors", nargs="?", const=True, default=None, metavar="FILE",
                        help="sim vs published runs of real engines (default kvscope/bench/anchors.json)")
@@ -47,7 +48,7 @@ class Bench(Command):
 
         check_output_path(args.json, inputs=[args.workload, args.preset,
                                              args.anchors if isinstance(args.anchors, str) else None])
-        if args.host_overhead:
+        if args.host_overhead or args.device == "null":  # no device: the engine's host work alone
             from kvscope.bench.host_overhead import format_table, run_host_overhead
 
             result = run_host_overhead(log=lambda m: print(m, file=sys.stderr))

@@ -10,6 +10,7 @@ from kvscope.engine.errors import RequestRejected
 from kvscope.engine.llm_engine import EventSink, LLMEngine
 from kvscope.engine.request import Request, RequestMetrics
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.protocol.events import FINISH_ERROR
 
 Prompt = str | list[int]
 
@@ -79,9 +80,13 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
     def _completion(self, req: Request) -> CompletionOutput:
-        text = req.detokenizer.text if req.detokenizer is not None else ""  # kvscope.engine.detokenizer
-        return CompletionOutput(req.sample_index, req.req_id, req.output_token_ids, text, req.finish_reason,
-                                req.metrics(), error=req.error, logprobs=req.logprobs)
+        detok = req.detokenizer  # kvscope.engine.detokenizer
+        text = detok.text if detok is not None else ""
+        reason, error = req.finish_reason, req.error
+        if detok is not None and detok.error is not None and error is None:  # met when the text was read
+            reason, error = FINISH_ERROR, detok.error
+        return CompletionOutput(req.sample_index, req.req_id, req.output_token_ids, text, reason,
+                                req.metrics(), error=error, logprobs=req.logprobs)
 
     @staticmethod
     def _output(req_id: int, prompt: list[int], done: list[CompletionOutput]) -> RequestOutput:

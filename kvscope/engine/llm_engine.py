@@ -227,7 +227,9 @@ class LLMEngine:
             self.scheduler.add_forks(req, samples)
         for r in (req, *samples):
             if params.detokenize and self.tokenizer is not None:
-                r.detokenizer = IncrementalDetokenizer(self.tokenizer, r.params, token_ids)
+                r.detokenizer = detok = IncrementalDetokenizer(self.tokenizer, r.params, token_ids)
+                if not detok.stop:  # no stop string to look for: decode only when the text is read
+                    detok.follow(r.token_ids, r.num_prompt_tokens)
         if self.sink is not None:
             prompt_text = self._text(token_ids, tail=True) if self._text_tokenizer else None
             for r in (req, *samples):

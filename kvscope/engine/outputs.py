@@ -3,8 +3,10 @@ the scheduler does not know (stop token ids, stop strings).
 
 Runs right after Scheduler.update() on the requests sampled this step. A request stopped
 here finishes in the same step with reason "stop", as an EOS would end it. Text is
-detokenized incrementally (engine/detokenizer.py); a tokenizer fault ends that request
-alone (reason "error").
+detokenized incrementally (engine/detokenizer.py): here, each step, only for requests with
+stop strings; the others' detokenizers follow their token lists and decode when read. A
+tokenizer fault ends that request alone (reason "error"), in the step that met it or, for a
+followed text, in the step after it was read.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ def after_update(sched, sampled_reqs: list, finished: list, logprobs: dict | Non
                 and req.token_ids[-1] in params.stop_token_ids):
             reason = FINISH_STOP
         detok = req.detokenizer
-        if detok is not None:
+        if detok is not None and detok.following:
+            if detok.error is not None:  # met by a reader since the last step
+                reason, req.error = FINISH_ERROR, detok.error
+            elif reason is not None or req.finish_reason == FINISH_STOP:
+                detok.end(drop_last=True)  # a stop token (EOS or a stop id) ended it
+        elif detok is not None:
             try:
                 hit = _feed(detok, req, by_token=reason is not None or req.finish_reason == FINISH_STOP)
             except Exception as e:  # noqa: BLE001 - a tokenizer fault ends this request only

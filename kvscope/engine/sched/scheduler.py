@@ -142,12 +142,14 @@ class Scheduler:
                running[-1].req_id if running else None, waiting[0].req_id if waiting else None,
                waiting[-1].req_id if waiting else None)
         if key != self._queue_ids_key:
-            by_state: dict[RequestStatus, list[int]] = {
-                RequestStatus.WAITING: [], RequestStatus.PREEMPTED: [], RequestStatus.SWAPPED: []}
-            for r in waiting:
-                by_state[r.status].append(r.req_id)
-            self._queue_ids = ([r.req_id for r in running], by_state[RequestStatus.WAITING],
-                               by_state[RequestStatus.PREEMPTED], by_state[RequestStatus.SWAPPED])
+            fresh = RequestStatus.WAITING
+            waiting_ids = [r.req_id for r in waiting if r.status is fresh]
+            if len(waiting_ids) == len(waiting):  # nothing preempted or swapped: the common case
+                preempted_ids, swapped_ids = [], []
+            else:
+                preempted_ids = [r.req_id for r in waiting if r.status is RequestStatus.PREEMPTED]
+                swapped_ids = [r.req_id for r in waiting if r.status is RequestStatus.SWAPPED]
+            self._queue_ids = ([r.req_id for r in running], waiting_ids, preempted_ids, swapped_ids)
             self._queue_ids_key = key
         return self._queue_ids
 
@@ -380,8 +382,12 @@ class Scheduler:
         # so one pass sorts them.
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for req in self.running:
-            (decodes if req.is_decode else prefills).append(req)
+        for req in self.running:  # req.is_decode, inline (the hottest loop of a step)
+            n = len(req.token_ids)
+            if n - req.num_computed_tokens == 1 and n > len(req.prompt_token_ids):
+                decodes.append(req)
+            else:
+                prefills.append(req)
         self._schedule_decodes(out, decodes, self.budget)
         budget_left = self.budget - out.num_tokens  # preemptions may have returned budget
         for req in prefills:
@@ -461,8 +467,8 @@ class Scheduler:
         # Decodes first, as they ran: the fast path (one token each, always sampled).
         sampled_reqs = [requests[r] for r in out.decodes.req_ids]
         self.bm.commit_decodes(sampled_reqs)
-        for req in sampled_reqs:
-            req.token_ids.append(sampled[req.req_id])  # req.append_token, inline
+        for req, token in zip(sampled_reqs, [sampled[r] for r in out.decodes.req_ids]):
+            req.token_ids.append(token)  # req.append_token, inline
             req.token_times.append(now)
         commit = self.bm.commit
         for seq in out.other_seqs:
