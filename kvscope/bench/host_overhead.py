@@ -159,12 +159,15 @@ def measure_vllm_scheduler(running: int, seed: int = 0) -> dict:
 
 
 def _decode_step(n: int = 256, context: int = 1000, bs: int = 16):
-    from kvscope.engine.sched.output import ScheduledSeq, SchedulerOutput
+    from kvscope.engine.sched.output import SchedulerOutput
 
     out = SchedulerOutput(step=1, budget=BUDGET)
+    out.tables_grow_in_place = True  # as the scheduler hands them: the builder keeps the tables' rows
     blocks = -(-(context + 1) // bs)
+    d = out.decodes
     for r in range(n):
-        out.add(ScheduledSeq(r, [r + 1], context, list(range(r * blocks, (r + 1) * blocks)), True, False))
+        d.req_ids.append(r), d.positions.append(context), d.token_ids.append(r + 1)
+        d.block_tables.append(list(range(r * blocks, (r + 1) * blocks)))
     return out
 
 

@@ -69,6 +69,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]]  # (cpu, gpu)
     hits: list[tuple[int, int, int]]  # (req, cached tokens, blocks) at admission
     swaps: list[tuple[int, str, int]]  # (req, "out"/"in", blocks)
+    # the decodes' block tables changed since the last step only by growing (a table dropped and
+    # taken again is a new list): the runner may keep them and copy only what was appended
+    tables_grow_in_place: bool
 
     def __init__(self, step: int, budget: int, seqs: list[ScheduledSeq] | None = None,
                  pad_rows: list[int] | None = None, finished_req_ids: list[int] | None = None) -> None:
@@ -87,6 +90,7 @@ class SchedulerOutput:
         self.blocks_to_swap_in = []
         self.hits = []
         self.swaps = []
+        self.tables_grow_in_place = False
         self._num_tokens = 0  # of other_seqs, kept by add() and drop(): read at every admission
         self._seqs: list[ScheduledSeq] | None = None
         for seq in seqs or ():

@@ -227,6 +227,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         self.step_count += 1
         out = SchedulerOutput(step=self.step_count, budget=self.budget, finished_req_ids=self._finished_since_last)
+        # tables only grow, or are replaced after a free; a sliding window nulls entries in place
+        out.tables_grow_in_place = self.bm.sliding_window is None
         self._finished_since_last = []
         self._reorder()
         if self.mode is Mode.STATIC:
