@@ -132,6 +132,7 @@ SPLITK_CASES = [
     (8, 1, 32, 16, [130], 8),  # B=1, GQA 8: 9 tiles over 8 partitions of 2: 5 live, 3 empty
     (4, 2, 16, 16, [1, 37, 100], 4),  # B=3: 1, 3 and 4 live partitions
     (8, 2, 24, 32, [64, 65, 3], 2),  # B=3, a tile boundary on either side, head dim padded, block 32
+    (4, 1, 16, 16, [300, 40], 20),  # 19 live partitions, read by the reduce in two chunks; 3 live beside it
 ]
 
 

@@ -37,6 +37,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM
 MIN_PARTITION_TOKENS = 128  # shortest partition while the unsplit grid leaves SMs idle (two 64-token tiles)
 MIN_PARTITION_TOKENS_BUSY = 512  # shortest partition once the unsplit grid already covers every SM
+REDUCE_CHUNK = 16  # partitions the reduce reads per load: at most 4 loads for MAX_SPLITS
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -119,12 +120,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_p
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr, window, num_splits,
                    stride_ot, stride_oh,
-                   H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                    HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Combine one (sequence, query head)'s partitions: out = sum_j o_j 2^lse_j / sum_j 2^lse_j.
 
     Only the partitions that hold keys are read (the same share rule as _decode_kernel), so a count
-    fixed for the longest context costs a short sequence nothing here."""
+    fixed for the longest context costs a short sequence nothing here. They are read CHUNK at a time
+    (one load of CHUNK log-sum-exps and CHUNK partial rows), folded in by an online softmax."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_SEQ_IDS:
@@ -136,20 +138,22 @@ def _reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr,
     tiles = tl.cdiv(seq_len - _span(seq_len, window, HAS_WINDOW), BLOCK_N)
     per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
     used = tl.cdiv(tiles, per_split)
+    offs_s = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D_PAD)
     base = (i.to(tl.int64) * H + h) * num_splits
-    # an online softmax over the partitions' log-sum-exps, in log2 units like the kernel's scores
-    m = tl.load(part_lse_ptr + base)
-    acc = tl.load(part_o_ptr + base * D_PAD + offs_d)
-    l = m * 0 + 1.0
-    for j in range(1, used):
-        lse = tl.load(part_lse_ptr + base + j)
-        o = tl.load(part_o_ptr + (base + j) * D_PAD + offs_d)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        b = tl.exp2(lse - m_new)
-        acc = acc * a + o * b
-        l = l * a + b
+    m = tl.load(part_lse_ptr + base)  # partition 0 always holds keys: a finite start for the running max
+    l = m * 0.0
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for c0 in range(0, used, CHUNK):
+        idx = c0 + offs_s
+        smask = idx < used
+        lse = tl.load(part_lse_ptr + base + idx, mask=smask, other=float("-inf"))
+        o = tl.load(part_o_ptr + (base + idx)[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)  # 0 for the masked lanes
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        l = l * alpha + tl.sum(w, 0)
         m = m_new
     tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, (acc / l).to(out_ptr.dtype.element_ty),
              mask=offs_d < D)
@@ -237,6 +241,6 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if split:
         _reduce_kernel[(num_seqs, h)](
             part_o, part_lse, seq_lens, query_start_loc, ids, out, window or 0, num_splits, out.stride(0),
-            out.stride(1), H=h, D=d, D_PAD=d_pad, BLOCK_N=block_n, HAS_SEQ_IDS=has_ids,
+            out.stride(1), H=h, D=d, D_PAD=d_pad, BLOCK_N=block_n, CHUNK=REDUCE_CHUNK, HAS_SEQ_IDS=has_ids,
             HAS_WINDOW=window is not None, num_warps=4,
         )
