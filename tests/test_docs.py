@@ -48,6 +48,8 @@ FOREIGN_FLAGS = {
     "--out": "benchmarks/gpu_check.py",
     "--budget-s": "benchmarks/gpu_check.py",
     "--sections": "benchmarks/gpu_check.py",
+    "--static-requests": "benchmarks/gpu_check.py",
+    "--generate-batch-s": "benchmarks/gpu_check.py",
 }
 
 

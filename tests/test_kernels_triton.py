@@ -93,6 +93,106 @@ def test_num_splits_heuristic():
     assert 1 < triton_decode.choose_num_splits(1, 1, 4096, cpu) <= triton_decode.MAX_SPLITS
 
 
+@pytest.mark.parametrize("batch,ctx,splits", [
+    (256, 4096, 1),  # 2,048 programs: the one-pass kernel
+    (64, 4096, 2),  # 512 programs fill every SM; two 2k partitions bring ~4 per SM
+    (64, 512, 1),  # every SM busy already: no partition under 512 keys
+    (16, 4096, 5),  # 128 programs < 132 SMs: split to about 4 programs per SM
+    (16, 512, 4),  # SMs idle: partitions as short as 128 keys
+    (1, 512, 4),
+    (1, 4096, 32),
+    (1, 16384, 64),  # capped at MAX_SPLITS
+    (1, 200, 1),  # too short for two 128-key partitions
+])
+def test_split_heuristic_on_an_h200_shape(batch, ctx, splits):
+    """Qwen3-0.6B-shaped decodes (8 KV heads) on 132 SMs: the partitions chosen, and why."""
+    assert triton_decode.choose_num_splits(batch, 8, ctx, torch.device("cpu"), sm_count=132) == splits
+
+
+def test_split_heuristic_properties():
+    for sms in (4, 78, 132):
+        for batch in (1, 2, 3, 16, 64, 256):
+            for kvh in (1, 8):
+                for ctx in (1, 100, 513, 4096, 40960):
+                    n = triton_decode.choose_num_splits(batch, kvh, ctx, torch.device("cpu"), sm_count=sms)
+                    assert 1 <= n <= triton_decode.MAX_SPLITS
+                    if batch * kvh >= triton_decode.PROGRAMS_PER_SM * sms:
+                        assert n == 1  # large batches: one pass
+                    if n > 1:
+                        shortest = (triton_decode.MIN_PARTITION_TOKENS if batch * kvh < sms
+                                    else triton_decode.MIN_PARTITION_TOKENS_BUSY)
+                        assert ctx // n >= shortest
+
+
+SPLITK_CASES = [
+    # (heads, kv_heads, head_dim, block_size, seq_lens, num_splits); block_n is 16, so a tile is 16 keys
+    (4, 4, 16, 16, [1], 4),  # B=1, one key: one live partition, three empty
+    (8, 2, 16, 16, [16], 3),  # B=1, exactly one block and one tile
+    (8, 2, 16, 8, [77], 3),  # B=1, 5 tiles over 3 partitions (2, 2, 1), ragged last block of 8
+    (8, 1, 32, 16, [130], 8),  # B=1, GQA 8: 9 tiles over 8 partitions of 2: 5 live, 3 empty
+    (4, 2, 16, 16, [1, 37, 100], 4),  # B=3: 1, 3 and 4 live partitions
+    (8, 2, 24, 32, [64, 65, 3], 2),  # B=3, a tile boundary on either side, head dim padded, block 32
+    (4, 1, 16, 16, [300, 40], 20),  # 19 live partitions, read by the reduce in two chunks; 3 live beside it
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,num_splits", SPLITK_CASES)
+def test_split_k_decode_matches_reference_and_the_one_pass_kernel(dtype, heads, kv_heads, head_dim, block_size,
+                                                                  seq_lens, num_splits, monkeypatch):
+    query, k_cache, v_cache, meta = make_case([1] * len(seq_lens), seq_lens, heads=heads, kv_heads=kv_heads,
+                                              head_dim=head_dim, block_size=block_size, dtype=dtype, seed=11)
+    scale = head_dim ** -0.5
+    expected = reference.paged_attention(query, k_cache, v_cache, meta, scale)
+
+    def run(splits):
+        out = torch.full_like(query, float("nan"))
+        triton_decode.decode_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, scale, len(seq_lens), meta.max_seq_len,
+                                       num_splits=splits, block_n=16)
+        return out
+
+    one_pass = run(1)
+    # partial buffers start as NaN: a partition without keys is neither written nor read by the reduce
+    real_empty = torch.empty
+    monkeypatch.setattr(triton_decode.torch, "empty",
+                        lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    split = run(num_splits)
+    check(split, expected, dtype)
+    check(split, one_pass, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_decode_with_window_and_seq_ids(dtype):
+    """Sliding window over partitions, blocks outside it NaN, and a sequence subset (a mixed step's decodes)."""
+    seq_lens, window = [90, 5, 41], 37
+    query, k_cache, v_cache, meta = make_case([1] * 3, seq_lens, heads=8, kv_heads=2, head_dim=16, block_size=8,
+                                              dtype=dtype, seed=12)
+    scale = 16 ** -0.5
+    testing.poison_outside_window(k_cache, v_cache, meta, window)
+    expected = reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    out = torch.zeros_like(query)
+    triton_decode.decode_attention(query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, 2, 90, seq_ids=ids, num_splits=3, block_n=16,
+                                   window=window)
+    check(out[[2, 0]], expected[[2, 0]], dtype)
+    assert not out[1].any()  # sequence 1 was not asked for
+
+
+def test_dispatch_takes_the_split_path_for_a_small_batch(monkeypatch):
+    """paged_attention with one long sequence chooses partitions itself and matches the reference."""
+    query, k_cache, v_cache, meta = make_case([1], [300], heads=4, kv_heads=1, head_dim=16, block_size=16,
+                                              dtype=torch.float32, seed=13)
+    chosen = []
+    real = triton_decode.choose_num_splits
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **kw: chosen.append(real(*a, **kw))
+                        or chosen[-1])
+    out = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.25)
+    assert chosen == [2]  # 1 program on the interpreter's 4 "SMs"; 300 keys make two 128-key partitions
+    check(out, reference.paged_attention(query, k_cache, v_cache, meta, 0.25), torch.float32)
+
+
 PREFILL_CASES = [
     # (heads, kv_heads, head_dim, block_size, query_lens, seq_lens)
     (2, 2, 16, 16, [20], [20]),  # whole prompt, ratio 1, two query tiles

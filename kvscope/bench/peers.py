@@ -87,8 +87,12 @@ def hf_static(config: EngineConfig, items) -> Row:
 # no_grad, not inference_mode: the manager's worker thread updates tensors made here in place, and
 # transformers 5.17 on CUDA refused that for inference tensors (the H200 check failed so).
 @torch.no_grad()
-def hf_generate_batch(config: EngineConfig, items) -> Row:
-    """transformers' continuous batching: the manager behind generate_batch, with per-request max_new_tokens."""
+def hf_generate_batch(config: EngineConfig, items, time_limit_s: float | None = None) -> Row:
+    """transformers' continuous batching: the manager behind generate_batch, with per-request max_new_tokens.
+
+    time_limit_s: stop after this long and report the requests finished by then (the row says
+    `partial` and how many). A manager whose generation thread has died raises at once instead of
+    waiting for results that cannot come."""
     model, device = _hf_model(config)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(it.max_tokens for it in items),
                            eos_token_id=None, pad_token_id=model.generation_config.pad_token_id or 0)
@@ -96,22 +100,28 @@ def hf_generate_batch(config: EngineConfig, items) -> Row:
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
     start = time.perf_counter()
+    deadline = time.monotonic() + (3600 if time_limit_s is None else max(0.0, time_limit_s))
+    alive = getattr(manager, "is_running", lambda: True)
     try:
         for n, it in enumerate(items):
             manager.add_request(it.prompt, request_id=f"r{n}", max_new_tokens=it.max_tokens, record_timestamps=True)
         results = {}
-        deadline = time.monotonic() + 3600
         while len(results) < len(items) and time.monotonic() < deadline:
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():
                 results[out.request_id] = out
+            elif out is None and not alive():
+                raise RuntimeError(f"transformers' generation thread stopped after {len(results)} of {len(items)} "
+                                   f"requests (its log says why)")
     finally:
         manager.stop(block=True)
     span = max((o.timestamps[-1] for o in results.values() if o.timestamps), default=start) - start
     ttft = [o.timestamps[0] - start for o in results.values() if o.timestamps]
     itl = [b - a for o in results.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
     tokens = sum(len(o.generated_tokens) for o in results.values())
-    return Row.from_samples("hf-generate-batch", ttft, itl, tokens, span)
+    extra = {} if len(results) == len(items) else {"partial": True, "finished_requests": len(results),
+                                                     "num_requests": len(items)}
+    return Row.from_samples("hf-generate-batch", ttft, itl, tokens, span, **extra)
 
 
 def llama_cpp(config: EngineConfig, items) -> Row:

@@ -89,9 +89,12 @@ class DecodeGraphs:
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, vocab] of the step's n sequences, in order."""
-        b = self.prepare(out)
+        return self.replay(self.prepare(out), len(out.seqs))
+
+    def replay(self, b: int, n: int) -> torch.Tensor:
+        """Replay the graph of size b over the buffers prepare() filled; logits [n, vocab] of its first n rows."""
         self.graphs[b].replay()
-        return self.logits[b][: len(out.seqs)]
+        return self.logits[b][:n]
 
     def prepare(self, out: SchedulerOutput) -> int:
         """Copy a decode-only step into the static buffers; returns the captured size it pads to."""

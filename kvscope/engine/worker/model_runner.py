@@ -48,6 +48,7 @@ class ModelRunner:
                     loaded.linear_note += f"; {note}"
         self.inputs = InputBuilder(block_size, num_blocks + 1, self.num_scratch_blocks, device)
         self.graphs = None  # DecodeGraphs once capture_cuda_graphs() has run (CUDA, not enforce_eager)
+        self.step_timer = None  # a StepTimer (step_timer.py) when something measures steps; off by default
         self.sampler = Sampler(seed)
         # of the last run(): the logprobs asked for, and the rows that could not be sampled
         self.logprobs: dict[int, TokenLogprobs] = {}
@@ -65,6 +66,8 @@ class ModelRunner:
         inputs = self.inputs.build(out)
         rows = inputs.sample_rows
         keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+        if self.step_timer is not None:
+            self.step_timer.forward_begins(out, graph=False)
         if self.decoder is not None:
             return self.decoder.forward(inputs.input_ids, inputs.position_ids, keep, self.kv_cache, inputs.meta,
                                         self.ops)
@@ -94,10 +97,16 @@ class ModelRunner:
         return self._run(out, params)
 
     def _run(self, out: SchedulerOutput, params: dict[int, SamplingParams]) -> dict[int, int]:
+        timer = self.step_timer
         if self.graphs is not None and self.graphs.can_run(out):
-            logits = self.graphs.run(out)  # a decode-only step: replay the captured forward
+            b = self.graphs.prepare(out)  # a decode-only step: replay the captured forward
+            if timer is not None:
+                timer.forward_begins(out, graph=True)
+            logits = self.graphs.replay(b, len(out.seqs))
         else:
             logits = self._forward(out)
+        if timer is not None:
+            timer.forward_ends()
         sampled_ids = [s.req_id for s in out.seqs if s.sample]
         if not sampled_ids:
             return {}

@@ -1,17 +1,26 @@
 """Triton paged decode attention: one query token per sequence, read over its block table.
 
-Design (see docs/KERNELS.md):
+Two paths behind one entry point, decode_attention (see docs/KERNELS.md):
+
+- One pass (large batches): the grid is (sequences, KV heads); each program walks its
+  sequence's whole context and writes the output.
+- Split-K, flash-decoding (small batches): the grid is (sequences, KV heads, partitions).
+  Each partition program walks an equal share of its sequence's tiles and writes a
+  partial output (normalised by its own softmax sum) and its log-sum-exp; _reduce_kernel
+  then combines a sequence's partitions. The share is worked out on the device from that
+  sequence's own length, and the partition count is a runtime argument, so one compiled
+  kernel serves every count (no recompiles as contexts grow) and a fixed count also works
+  inside a CUDA graph (short sequences just leave some partitions empty).
+  choose_num_splits picks the count; 1 means the one-pass path.
+
+Both paths share the inner walk:
 - GQA sharing: one program serves all query heads of one KV head, so each K/V
   tile is read once per group, not once per query head. The group's heads are
   the rows of a [G_PAD, D] query tile (padded to 16 rows for tl.dot).
-- Wide tiles: a program walks its context BLOCK_N tokens at a time (several
+- Wide tiles: a program walks its keys BLOCK_N tokens at a time (several
   cache blocks per tile), gathering each token's row through the block table.
-- Split-KV (flash-decoding): the grid is (sequences, KV heads, splits). Each
-  split takes an equal share of its sequence's tiles, decided on the device from
-  that sequence's length, so a fixed split count also works inside a CUDA graph.
-  Splits write a partial output and its log-sum-exp; a merge kernel combines them.
 - Sliding window: with a window w, the query at position seq_len-1 sees keys
-  seq_len-w .. seq_len-1. The tiles (and so the splits) cover only that span, so
+  seq_len-w .. seq_len-1. The tiles (and so the partitions) cover only that span, so
   a tile wholly outside the window is never visited, not visited and masked.
 """
 
@@ -24,34 +33,49 @@ import triton.language as tl
 from kvscope.kernels.triton.softmax import attend_tile
 
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+# choose_num_splits' constants (see its docstring for the reasoning):
+PROGRAMS_PER_SM = 4  # split until the grid holds about this many programs per SM
+MIN_PARTITION_TOKENS = 128  # shortest partition while the unsplit grid leaves SMs idle (two 64-token tiles)
+MIN_PARTITION_TOKENS_BUSY = 512  # shortest partition once the unsplit grid already covers every SM
+REDUCE_CHUNK = 16  # partitions the reduce reads per load: at most 4 loads for MAX_SPLITS
 _SM_COUNT: dict[int, int] = {}
 
 
 @triton.jit
+def _span(seq_len, window, HAS_WINDOW: tl.constexpr):
+    """The first key the query at position seq_len - 1 sees: 0, or seq_len - window with a window."""
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = seq_len * 0
+    return first
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-                   sm_scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
-                   stride_bt,
+                   sm_scale_log2, window, num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb,
+                   stride_co, stride_ch, stride_bt,
                    H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
     if HAS_SEQ_IDS:
         s = tl.load(seq_ids_ptr + i)
     else:
         s = i
     seq_len = tl.load(seq_lens_ptr + s)
     row = tl.load(qsl_ptr + s).to(tl.int64)
-    if HAS_WINDOW:
-        first = tl.maximum(seq_len - window, 0)
+    first = _span(seq_len, window, HAS_WINDOW)
+    if SPLIT:
+        # partition `split` takes tiles [split * per_split, (split + 1) * per_split) of the span
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
+        start = first + split * per_split * BLOCK_N
+        end = tl.minimum(start + per_split * BLOCK_N, seq_len)
     else:
-        first = seq_len * 0
-    tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    per_split = tl.cdiv(tiles, NUM_SPLITS)
-    start = first + split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+        start = first
+        end = seq_len
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -78,39 +102,61 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_p
         m, l, acc = attend_tile(q, k, v, nmask[None, :], m, l, acc, sm_scale_log2, IEEE)
 
     omask = gmask[:, None] & dmask[None, :]
-    if NUM_SPLITS == 1:
+    if SPLIT:
+        # A partition past the end of a short sequence has no keys: it writes nothing, and the reduce
+        # reads only the partitions that hold keys (each has at least one, so l > 0 here).
+        live = gmask & (start + offs_g * 0 < end)  # [G_PAD]: the group's heads, if the partition has keys
+        o = acc / tl.maximum(l, 1.0e-30)[:, None]
+        lse = m + tl.log2(tl.maximum(l, 1.0e-30))
+        part = (i.to(tl.int64) * H + heads) * num_splits + split
+        tl.store(part_lse_ptr + part, lse, mask=live)
+        tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], o, mask=live[:, None] & dmask[None, :])
+    else:
         o = acc / l[:, None]
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        o = acc / tl.maximum(l, 1.0e-30)[:, None]
-        lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1.0e-30)), float("-inf"))
-        part = (i.to(tl.int64) * H + heads) * NUM_SPLITS + split
-        tl.store(part_lse_ptr + part, lse, mask=gmask)
-        tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], o, mask=omask)
 
 
-@triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, qsl_ptr, seq_ids_ptr, out_ptr, stride_ot, stride_oh,
-                  H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  SPLITS_PAD: tl.constexpr, HAS_SEQ_IDS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(part_o_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr, out_ptr, window, num_splits,
+                   stride_ot, stride_oh,
+                   H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                   HAS_SEQ_IDS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Combine one (sequence, query head)'s partitions: out = sum_j o_j 2^lse_j / sum_j 2^lse_j.
+
+    Only the partitions that hold keys are read (the same share rule as _decode_kernel), so a count
+    fixed for the longest context costs a short sequence nothing here. They are read CHUNK at a time
+    (one load of CHUNK log-sum-exps and CHUNK partial rows), folded in by an online softmax."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_SEQ_IDS:
         s = tl.load(seq_ids_ptr + i)
     else:
         s = i
+    seq_len = tl.load(seq_lens_ptr + s)
     row = tl.load(qsl_ptr + s).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    tiles = tl.cdiv(seq_len - _span(seq_len, window, HAS_WINDOW), BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(tiles, num_splits), 1)
+    used = tl.cdiv(tiles, per_split)
+    offs_s = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D_PAD)
-    smask = offs_s < NUM_SPLITS
-    base = (i.to(tl.int64) * H + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None], other=0.0)
-    res = tl.sum(o * w[:, None], 0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    base = (i.to(tl.int64) * H + h) * num_splits
+    m = tl.load(part_lse_ptr + base)  # partition 0 always holds keys: a finite start for the running max
+    l = m * 0.0
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for c0 in range(0, used, CHUNK):
+        idx = c0 + offs_s
+        smask = idx < used
+        lse = tl.load(part_lse_ptr + base + idx, mask=smask, other=float("-inf"))
+        o = tl.load(part_o_ptr + (base + idx)[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)  # 0 for the masked lanes
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, (acc / l).to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -122,11 +168,30 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about four times over, but no split under MIN_SPLIT_TOKENS."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      sm_count: int | None = None) -> int:
+    """Partitions per sequence for a decode launch; 1 means the one-pass kernel.
+
+    The one-pass grid has num_seqs x num_kv_heads programs, and a decode reads memory, so it
+    wants every SM busy with a few programs to hide the latency of the block-table gathers.
+    - Parallelism: split until the grid holds about PROGRAMS_PER_SM programs per SM (the SM
+      count from torch.cuda). From PROGRAMS_PER_SM x SMs programs up this is 1: large batches
+      keep the one-pass kernel, with no partial outputs and no reduce.
+    - Length: a partition costs a program's set-up, a partial output and a share of the
+      reduce, so it must hold enough keys to pay for them. While the unsplit grid leaves SMs
+      idle (num_seqs x num_kv_heads < SMs) a partition may be as short as MIN_PARTITION_TOKENS:
+      the step is latency-bound and shortening each program's walk is what helps. Once the
+      unsplit grid covers every SM, a partition must hold MIN_PARTITION_TOKENS_BUSY keys: on an
+      H200, 256-token partitions read at 1.2-1.6 TB/s where 512-token-and-longer walks read at
+      3.6-4.2 TB/s (benchmarks/results/gpu-check-h200.json).
+    - At most MAX_SPLITS.
+    max_seq_len is the longest span a sequence attends over (the window, when shorter).
+    """
+    sms = sm_count or _sm_count(device)
     programs = max(1, num_seqs * num_kv_heads)
-    by_parallelism = triton.cdiv(4 * _sm_count(device), programs)
-    by_length = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    by_parallelism = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    shortest = MIN_PARTITION_TOKENS if programs < sms else MIN_PARTITION_TOKENS_BUSY
+    by_length = max(1, max_seq_len // shortest)
     return max(1, min(by_parallelism, by_length, MAX_SPLITS))
 
 
@@ -139,6 +204,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     query/out [T, H, D] with unit last stride; caches [N, block_size, KVH, D] contiguous.
     window: the sliding window (keys seq_len-window .. seq_len-1), or None for the whole context.
+    num_splits: partitions per sequence (None: choose_num_splits); 1 runs the one-pass kernel,
+    more the split-K kernel and its reduce.
     """
     if num_seqs == 0:
         return
@@ -151,10 +218,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if num_splits is None:
         span = max_seq_len if window is None else min(max_seq_len, window)
         num_splits = choose_num_splits(num_seqs, kvh, span, query.device)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
     ieee = query.dtype == torch.float32
     if ieee and query.device.type == "cuda":
         block_n = min(block_n, 32)  # fp32 tiles take twice the shared memory
-    if num_splits > 1:
+    split = num_splits > 1
+    if split:
         part_o = torch.empty(num_seqs, h, num_splits, d_pad, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, h, num_splits, dtype=torch.float32, device=query.device)
     else:
@@ -163,15 +232,15 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     ids = seq_ids if has_ids else seq_lens  # any pointer; unread without HAS_SEQ_IDS
     _decode_kernel[(num_seqs, kvh, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ids, out, part_o, part_lse,
-        scale * 1.4426950408889634, window or 0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * 1.4426950408889634, window or 0, num_splits, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_SEQ_IDS=has_ids,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, HAS_SEQ_IDS=has_ids,
         HAS_WINDOW=window is not None, IEEE=ieee, num_warps=4, num_stages=2,
     )
-    if num_splits > 1:
-        _merge_kernel[(num_seqs, h)](
-            part_o, part_lse, query_start_loc, ids, out, out.stride(0), out.stride(1),
-            H=h, D=d, D_PAD=d_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            HAS_SEQ_IDS=has_ids, num_warps=4,
+    if split:
+        _reduce_kernel[(num_seqs, h)](
+            part_o, part_lse, seq_lens, query_start_loc, ids, out, window or 0, num_splits, out.stride(0),
+            out.stride(1), H=h, D=d, D_PAD=d_pad, BLOCK_N=block_n, CHUNK=REDUCE_CHUNK, HAS_SEQ_IDS=has_ids,
+            HAS_WINDOW=window is not None, num_warps=4,
         )
