@@ -186,3 +186,31 @@ def test_static_reserves_ahead_while_continuous_only_wastes_the_tail():
                                     for r in sched.running)
         assert kv.tail_waste < 16 * max(1, len(sched.running))
     assert steps >= max_tokens
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_adopt_shares_every_held_block_and_trim_keeps_only_the_leading_ones(caching):
+    """Parallel sampling's held prompts: an heir adopts a request's table (by refcount, with its computed
+    tokens); an ended sample keeps only the blocks of its prompt but the last token."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=caching)
+    tokens = list(range(1, 15))  # 14 tokens: 4 blocks, the last one half full
+    src, heir = Request(0, tokens, SamplingParams(), 0.0), Request(1, tokens, SamplingParams(), 0.0)
+    assert bm.grow(src, 14)
+    bm.commit(src, 10)
+    bm.adopt(heir, src)
+    assert heir.block_table == src.block_table and heir.num_computed_tokens == 10
+    assert [bm.ref_counts[b] for b in src.block_table] == [2] * 4
+    assert heir.block_hashes == src.block_hashes and len(heir.block_hashes) == (2 if caching else 0)
+    bm.check_invariants()
+    bm.free(src)
+    assert [bm.ref_counts[b] for b in heir.block_table] == [1] * 4 and bm.num_free == 4
+    bm.check_invariants()
+    bm.commit(heir, 14)
+    table = list(heir.block_table)
+    bm.trim(heir, 9)  # positions 0..8: the first three blocks
+    assert heir.block_table == table[:3] and heir.num_computed_tokens == 9 and bm.num_free == 5
+    assert len(heir.block_hashes) == (2 if caching else 0)
+    bm.check_invariants()
+    bm.free(heir)
+    assert bm.num_free == 8
+    bm.check_invariants()

@@ -67,10 +67,13 @@ class Arrival:
     suffix: list[int]
     max_tokens: int
     priority: int
+    n: int = 1  # parallel sampling: the request forks into n samples
+    stop_first: bool = False  # every sample stops at its first token (a stop id: the scheduler is told by abort)
+    abort_root: int | None = None  # the first sample is aborted this many steps after arrival
 
 
 @st.composite
-def scenarios(draw, policy: str):
+def scenarios(draw, policy: str, forks: bool = False):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     num_blocks = draw(st.integers(3, 24))
     capacity = block_size * num_blocks
@@ -95,10 +98,15 @@ def scenarios(draw, policy: str):
                 suffix = [1]
         arrivals.append(Arrival(draw(st.integers(1, 25)), pre, plen, suffix, draw(st.integers(1, 16)),
                                 draw(st.integers(0, 3))))
+        if forks:
+            a = arrivals[-1]
+            a.n = draw(st.integers(1, 5))
+            a.stop_first = draw(st.booleans())
+            a.abort_root = draw(st.one_of(st.none(), st.integers(0, 6)))
     arrivals.sort(key=lambda a: a.step)
     return dict(
         policy=policy,
-        mode=draw(st.sampled_from(["continuous", "chunked"])),
+        mode=draw(st.sampled_from(["naive", "static", "continuous", "chunked"] if forks else ["continuous", "chunked"])),
         block_size=block_size,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
@@ -145,8 +153,10 @@ def simulate(sc) -> dict:
     policy.victim, policy.arrival_victim = victim, arrival_victim
 
     reqs: list[Request] = []
+    arrival_of: dict[int, Arrival] = {}  # request id -> its arrival (every sample of it)
+    aborted: set[int] = set()
     pending = list(sc["arrivals"])
-    total = sum(len(a.suffix) + a.prefix_len + a.max_tokens for a in pending)
+    total = sum((len(a.suffix) + a.prefix_len + a.max_tokens) * a.n for a in pending)
     step_limit = pending[-1].step + 6 * total * (len(pending) + 1) + 20
     step = 0
     while pending or sched.has_unfinished():
@@ -155,10 +165,21 @@ def simulate(sc) -> dict:
         while pending and pending[0].step <= step:
             a = pending.pop(0)
             prompt = (sc["prefixes"][a.prefix][: a.prefix_len] if a.prefix >= 0 else []) + a.suffix
-            req = Request(len(reqs), prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+            req = Request(len(reqs), prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, n=a.n),
                           arrival=float(step), priority=a.priority)
             reqs.append(req)
             sched.add(req)
+            samples = [req.fork(len(reqs) + i, i + 1) for i in range(a.n - 1)]
+            reqs.extend(samples)
+            if samples:
+                sched.add_forks(req, samples)
+            for r in (req, *samples):
+                arrival_of[r.req_id] = a
+        for a in sc["arrivals"]:
+            if a.abort_root is not None and a.step + a.abort_root == step:
+                root = next(r for r in reqs if arrival_of[r.req_id] is a and r.fork_of is None)
+                if sched.abort(root.req_id, float(step)) is not None:
+                    aborted.add(root.req_id)
         if not sched.has_unfinished():
             continue
         out = sched.schedule(float(step))
@@ -172,8 +193,9 @@ def simulate(sc) -> dict:
         stats["swaps_in"] += sum(1 for s in out.swaps if s[1] == "in")
         stats["hits"] += len(out.hits)
         stats["cow"] += len(out.blocks_to_copy)
-        if not sc["prefix_caching"]:
-            assert not out.hits and not out.blocks_to_copy and bm.num_cached == 0
+        if not sc["prefix_caching"]:  # (samples of n copy the block holding the last prompt token)
+            assert not out.hits and bm.num_cached == 0
+            assert not out.blocks_to_copy or any(a.n > 1 for a in sc["arrivals"])
         if sc["mode"] == "chunked":
             assert out.num_tokens <= sc["budget"]
         bs = sc["block_size"]
@@ -189,9 +211,11 @@ def simulate(sc) -> dict:
                 block = s.block_table[pos // bs]
                 assert bm.ref_counts[block] == 1, "a write into a shared block (copy-on-write missing)"
                 assert bm.prefix_key(block) is None, "a write into a cached prefix block"
-        for src, dst in out.blocks_to_copy:
+        for i, (src, dst) in enumerate(out.blocks_to_copy):
             # (src may have been evicted and handed out later in the step: copies run before any write)
             assert src != dst and bm.ref_counts[dst] == 1
+            # the copies of a step run at once: none may read a block an earlier one writes
+            assert src not in {d for _, d in out.blocks_to_copy[:i]}, "a copy of a copy made in the same step"
         for r, direction, n in out.swaps:
             if direction == "out":
                 assert sched.requests[r].status in (RequestStatus.SWAPPED, RequestStatus.RUNNING)
@@ -210,19 +234,28 @@ def simulate(sc) -> dict:
             assert prios == sorted(prios, reverse=True), "priority: WAITING not highest first"
         sched.update(out, {s.req_id: TOKEN for s in out.seqs if s.sample}, float(step), frozenset())
         bm.check_invariants()
+        for s in out.seqs:  # a stop id ends a request after update(), through abort (engine/outputs.py)
+            req = sched.requests.get(s.req_id)
+            if s.sample and req is not None and arrival_of[req.req_id].stop_first and req.finish_reason is None:
+                sched.abort(req.req_id, float(step), "stop")
+        bm.check_invariants()
         for req in sched.running:
             gone = bm.outside_window(req.num_computed_tokens)
             assert len(bm.tables[req.req_id]) == len(bm.table(req.req_id)) - gone, "a block outside the window is held"
 
     assert bm.num_free == bm.num_blocks and not bm.tables and not sched.requests
+    assert not (sched._families or sched._forks or sched._unforked or sched._lingering), "fork bookkeeping leaked"
     assert bm.num_used == 0
     if pool is not None:
         assert pool.num_used == 0 and not pool.tables, "swap pool leaked"
-        assert pool.blocks_out == pool.blocks_in
+        assert pool.blocks_out == pool.blocks_in or aborted  # (an aborted swapped request's copy is dropped)
     for req in reqs:
         assert req.status is RequestStatus.FINISHED
         assert req.output_token_ids == [TOKEN] * req.num_output_tokens
-        assert req.num_output_tokens == min(req.params.max_tokens, sc["max_model_len"] - req.num_prompt_tokens)
+        if req.req_id in aborted:
+            continue
+        want = min(req.params.max_tokens, sc["max_model_len"] - req.num_prompt_tokens)
+        assert req.num_output_tokens == (min(1, want) if arrival_of[req.req_id].stop_first else want)
     return stats
 
 
@@ -231,6 +264,15 @@ def simulate(sc) -> dict:
 @given(data=st.data())
 def test_feature_properties(policy, data):
     simulate(data.draw(scenarios(policy)))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@PROPS
+@given(data=st.data())
+def test_parallel_sampling_properties(policy, data):
+    """The same checks with requests that fork into n samples, samples that stop at their first token, and
+    first samples aborted at any point (waiting, mid-prefill, swapped, after their first token)."""
+    simulate(data.draw(scenarios(policy, forks=True)))
 
 
 def _fixed(policy="fcfs", **over):

@@ -3,11 +3,14 @@
 The first sequence computes the prompt; the other n-1 then share its blocks by refcount and
 compute only the last prompt token, into a copy of the block that holds it (copy-on-write),
 so each samples its own first token. At temperature 0 every sequence equals transformers'
-greedy output; seeded, sequence i is reproducible and equals n=1 with seed + i.
+greedy output; seeded, sequence i is reproducible and equals n=1 with seed + i. The prompt is
+computed once however the first sequence ends, in every mode, with prefix caching or not, and a
+sequence preempted by recompute shares the prompt again instead of computing it.
 """
 
 from __future__ import annotations
 
+import pytest
 from conftest import token_prompts
 from kvscope.engine import LLM, SamplingParams
 from kvscope.engine.config import EngineConfig
@@ -87,3 +90,150 @@ def test_a_bad_n_is_refused_in_one_line():
         assert "\n" not in str(e)
     else:
         raise AssertionError("n=-1 was accepted")
+
+
+# ---- the prompt is computed once, however the first sample ends --------------------------------------
+# Counted from the step events: every token a step computes is a batch entry (request, start, tokens).
+# n=1 computes each prompt position once. n samples compute each position but the last once, and the
+# last position n times: each of the other n-1 computes that one token itself (its own logits, so its own
+# first sample) into its copy of the block holding it. So n=64 computes the n=1 count plus 63 tokens.
+N = 64
+PROMPT = [(i * 7 + 10) % 250 for i in range(300)]  # 300 tokens: 18 full blocks of 16, the last one partly full;
+# its greedy first token is "5", which a stop string can match alone
+
+
+class _Steps:
+    def __init__(self):
+        self.steps = []
+
+    def publish(self, ev):
+        if ev.type == "step":
+            self.steps.append(ev)
+
+    def close(self):
+        pass
+
+
+def _engine(mode: str, prefix_caching: bool, **settings) -> tuple[LLM, _Steps]:
+    config = dict(device="cpu", dtype="float32", mode=mode, prefix_caching=prefix_caching, num_blocks=160,
+                  max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)
+    llm = LLM("tiny", **{**config, **settings})
+    steps = _Steps()
+    llm.engine.attach(steps)
+    return llm, steps
+
+
+def _prompt_positions_computed(steps: _Steps, ids, prompt_len: int) -> list[int]:
+    """How many times each prompt position was computed, over the requests `ids`."""
+    counts = [0] * prompt_len
+    for ev in steps.steps:
+        for b in ev.batch:
+            if b.req in ids:
+                for pos in range(b.start, min(b.start + b.tokens, prompt_len)):
+                    counts[pos] += 1
+    return counts
+
+
+def _drained(llm: LLM) -> None:
+    sched = llm.engine.scheduler
+    assert not sched._lingering and not sched._unforked and not sched._forks and not sched._families
+    sched.bm.check_invariants()
+    assert sched.bm.num_used == 0
+
+
+def _run(llm: LLM, params: SamplingParams, abort_parent_after: int | None = None):
+    """Serve one prompt; abort_parent_after=k aborts its first sample after k steps (0: before any)."""
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, params)
+    ids = set(engine.scheduler.requests[rid].seq_ids or [rid])
+    done = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == abort_parent_after:
+            assert rid in engine.scheduler.requests, "the first sample ended before the abort"
+            engine.abort_request(rid)
+        for req in engine.step():
+            done[req.req_id] = req
+        steps += 1
+    assert set(done) == ids
+    return rid, ids, done
+
+
+def test_n1_computes_each_prompt_position_once():
+    for mode in ("naive", "static", "continuous", "chunked"):
+        llm, steps = _engine(mode, False)
+        rid, ids, _ = _run(llm, SamplingParams(max_tokens=1))
+        assert _prompt_positions_computed(steps, ids, len(PROMPT)) == [1] * len(PROMPT)
+
+
+ENDS = {  # every sample ends at its first token
+    "max_tokens=1": dict(max_tokens=1, ignore_eos=True, temperature=1.0, seed=3),
+    "stop_token_ids": dict(max_tokens=16, ignore_eos=True, stop_token_ids=list(range(260)), temperature=1.0,
+                           seed=3),
+    "eos": dict(max_tokens=16, temperature=1.0, seed=3),  # with every token an EOS (below)
+    "stop string": dict(max_tokens=16, ignore_eos=True, temperature=0.0),  # the greedy first token's text
+}
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("mode", ["naive", "static", "continuous", "chunked"])
+@pytest.mark.parametrize("end", list(ENDS))
+def test_n_samples_that_stop_at_their_first_token_compute_the_prompt_once(mode, prefix_caching, end):
+    llm, steps = _engine(mode, prefix_caching)
+    params = SamplingParams(n=N, **ENDS[end])
+    if end == "eos":
+        llm.engine.loaded.eos_token_ids = frozenset(range(llm.engine.loaded.vocab_size))
+    if end == "stop string":
+        params.stop = ["5"]
+    rid, ids, done = _run(llm, params)
+    if end == "stop string":
+        assert {tuple(r.output_token_ids) for r in done.values()} == {(ord("5"),)}
+    assert {r.finish_reason for r in done.values()} == {"length" if end == "max_tokens=1" else "stop"}
+    assert all(r.num_output_tokens == 1 for r in done.values())
+    counts = _prompt_positions_computed(steps, ids, len(PROMPT))
+    assert counts[:-1] == [1] * (len(PROMPT) - 1), "a prompt position was computed again"
+    assert counts[-1] == N, "each sample computes the last prompt token once, for its own first sample"
+    assert sum(counts) == len(PROMPT) + N - 1  # the n=1 count plus n-1
+    _drained(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("mode,when", [
+    ("chunked", 0), ("chunked", 1), ("chunked", 3),  # before any step; mid-prefill; after the first token
+    ("continuous", 0), ("continuous", 1), ("naive", 0), ("naive", 1), ("static", 0), ("static", 1)])
+def test_aborting_the_first_sample_does_not_make_the_others_compute_the_prompt(mode, when, prefix_caching):
+    """Aborted before its prompt is computed, the first sample's place and computed KV go to the next
+    sample, which computes the rest of the prompt for the others; aborted after, its blocks stay held
+    until every sample has taken them."""
+    llm, steps = _engine(mode, prefix_caching, max_num_batched_tokens=128)  # chunked: the prompt in 3 steps
+    after_first_token = when == (3 if mode == "chunked" else 1)
+    greedy = SamplingParams(max_tokens=2 if after_first_token else 1, ignore_eos=True, temperature=0.0, n=N)
+    rid, ids, done = _run(llm, greedy, abort_parent_after=when)
+    assert done[rid].finish_reason == "abort"
+    counts = _prompt_positions_computed(steps, ids, len(PROMPT))
+    assert counts[:-1] == [1] * (len(PROMPT) - 1), "a prompt position was computed again"
+    assert counts[-1] == (N if after_first_token else N - 1)
+    single = llm.generate([PROMPT], SamplingParams(max_tokens=greedy.max_tokens, ignore_eos=True, temperature=0.0))
+    assert [done[i].output_token_ids for i in sorted(ids - {rid})] == [single[0].token_ids] * (N - 1)
+    _drained(llm)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preempted_samples_take_the_prompt_blocks_again_instead_of_computing_them(preemption):
+    """Too few blocks for every sample to decode: the newest running ones are preempted. A sample preempted by
+    recompute shares the prompt again from a sample holding it (one that ends first holds it for them);
+    a swapped one brings its own copy back. Either way each prompt position but the last is computed once."""
+    llm, steps = _engine("chunked", False, num_blocks=40, preemption=preemption, swap_space=0.01)
+    n, prompt = 8, PROMPT[:100]  # 6 full prompt blocks shared; each sample needs 4 more for 64 tokens
+    params = SamplingParams(n=n, max_tokens=64, ignore_eos=True, temperature=1.0, seed=5)
+    out = llm.generate([prompt], params)[0]
+    preempted = [p for ev in steps.steps for p in ev.preemptions]
+    assert preempted and {p.mode for p in preempted} == {preemption}
+    rid = out.req_id
+    ids = set(range(rid, rid + n))
+    counts = _prompt_positions_computed(steps, ids, len(prompt))
+    assert counts[:-1] == [1] * (len(prompt) - 1), "a prompt position was computed again"
+    alone = [llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0,
+                                                   seed=5 + i))[0].token_ids for i in range(n)]
+    assert [c.token_ids for c in out.outputs] == alone, "sample i still samples as seed + i alone"
+    _drained(llm)

@@ -157,6 +157,35 @@ def test_while_n4_runs_the_block_map_shows_the_prompt_blocks_shared_four_ways(li
     live.wait_until(live.idle, what="the pool to drain")
 
 
+# ---- the prompt is computed once ---------------------------------------------------------------
+def test_n64_whose_choices_all_stop_at_their_first_token_computes_the_prompt_once(live):
+    """Every choice stops at its first token (a stop id): each prompt position is computed once, but the
+    last, which each of the 64 computes for its own first token (into its copy of the block holding it)."""
+    live.wait_until(live.idle, what="an idle engine")
+    start = len(live.recorder.events)
+    r = post(live, "/v1/completions", {"prompt": PROMPT * 6, "n": MAX_N, "max_tokens": 8, "temperature": 1.0,
+                                       "seed": 3, "stop_token_ids": list(range(260))})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop"] * MAX_N
+    assert body["usage"]["completion_tokens"] == MAX_N
+    prompt_len = body["usage"]["prompt_tokens"]
+    assert prompt_len == 6 * len(PROMPT.encode())
+    live.wait_until(live.idle, what="the pool to drain")
+    with live.recorder.lock:
+        events = list(live.recorder.events[start:])
+    mine = {e.req for e in events if e.type == "request" and e.source == SOURCE_HTTP}
+    assert len(mine) == MAX_N
+    counts = [0] * prompt_len
+    for e in events:
+        for b in e.batch if e.type == "step" else ():
+            if b.req in mine:
+                for pos in range(b.start, min(b.start + b.tokens, prompt_len)):
+                    counts[pos] += 1
+    assert counts[:-1] == [1] * (prompt_len - 1) and counts[-1] == MAX_N
+    assert live.engine.block_manager.num_used == 0
+
+
 # ---- aborts and failures -----------------------------------------------------------------------
 def _aborts(live) -> int:
     return sum(f.reason == FINISH_ABORT for s in live.recorder.of_type("step") for f in s.finished)

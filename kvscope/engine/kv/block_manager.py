@@ -254,6 +254,34 @@ class BlockManager:
             table.append(block)
         return self._grow(req, total_tokens)  # can_admit checked that it fits
 
+    def adopt(self, heir: Request, source: Request) -> None:
+        """heir, a request with source's tokens, takes a reference to every block source holds, and with
+        them source's computed tokens (source is freed next: heir then owns the table alone)."""
+        heir.num_computed_tokens = source.num_computed_tokens
+        self._hold(heir, source.num_released_blocks)
+        heir.block_hashes = list(source.block_hashes)
+        share, table, rid = self.pool.share, heir.block_table, heir.req_id
+        for block in self.held(source):
+            share(block, rid)
+            table.append(block)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Keep only the blocks holding req's first num_tokens computed tokens (num_tokens <= its computed
+        tokens; the blocks it released from a sliding window end before them); the rest are released,
+        tail first."""
+        bs = self.block_size
+        table, keep = req.block_table, blocks_needed(num_tokens, bs)
+        old = req.num_computed_tokens
+        req.num_computed_tokens = num_tokens
+        del req.block_hashes[num_tokens // bs:]
+        if req.req_id in self.holders:
+            self.usage.tokens -= old - num_tokens
+            self.usage.holding -= blocks_needed(old, bs) - keep
+        release = self.pool.release
+        for i in range(len(table) - 1, max(keep, req.num_released_blocks) - 1, -1):
+            release(table[i])
+        del table[keep:]
+
     def grow(self, req: Request, total_tokens: int) -> bool:
         """Make req's table cover total_tokens slots; all or nothing. A new table for a request that
         has computed tokens already (swapped in) starts at its window."""

@@ -19,6 +19,13 @@ copied back when it reaches the head of WAITING again. Each step serves, within
 the token budget: running decodes, running prefill chunks, then WAITING in policy
 order, where the head is either swapped in or admitted (with prefix caching, a new
 request starts after its cached prefix).
+
+Parallel sampling (``SamplingParams.n``, ``add_forks``): one sample computes the prompt while the
+others wait outside WAITING; then each of them shares its blocks and computes only the last prompt
+token, into a copy of the block holding it. The prompt is computed once however a sample ends: one
+that ends while others have not taken the blocks holds them until they have (held blocks are freed
+before a running request that needs blocks preempts anyone); one that ends before its prompt is
+computed hands its place and KV to the next sample; one preempted by recompute shares them again.
 """
 
 from __future__ import annotations
@@ -66,12 +73,17 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.step_count = 0
         self._finished_since_last: list[int] = []
-        # parallel sampling: request id -> its other samples, waiting (outside WAITING) for its prompt's KV
+        # Parallel sampling, by family (the first sample's id, which the others have as fork_of): the ids
+        # of all n; the samples waiting (outside WAITING) while one of them (the first, or the heir of a
+        # first that ended before its prompt was computed) computes the prompt; the samples in WAITING that
+        # have not taken the prompt's blocks (never admitted, or preempted by recompute); and a sample that
+        # ended while some had not (max_tokens 1, EOS, a stop id or string on its first token, an abort),
+        # holding its prompt blocks until every sample has them.
+        self._families: dict[int, list[int]] = {}
         self._forks: dict[int, list[Request]] = {}
-        # fork source id -> its samples in WAITING that have not yet taken its prompt blocks; a source that ends
-        # first (max_tokens 1, a stop on its first token) lingers, holding its blocks, until every sample has them
         self._unforked: dict[int, set[int]] = {}
         self._lingering: dict[int, Request] = {}
+        self._fresh: set[int] = set()  # admitted this step: a copy-on-write copy into its blocks may be pending
         self.swap_pool = CpuBlockPool(num_cpu_blocks) if config.preemption == PREEMPT_SWAP else None
         self.num_recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         # Queue membership as id lists for the step event, rebuilt only when a queue changed
@@ -96,33 +108,72 @@ class Scheduler:
             sample.arrival_step = request.arrival_step
             self.policy.on_arrival(sample, sample.arrival_step)
         request.seq_ids = [request.req_id] + [s.req_id for s in samples]
+        self._families[request.req_id] = request.seq_ids
         self._forks[request.req_id] = samples
 
-    def _queue_forks(self, request: Request) -> None:
-        """request's prompt is computed (or it is gone): its samples go to the front of WAITING."""
-        samples = self._forks.pop(request.req_id, ())
+    @staticmethod
+    def _family_of(req: Request) -> int:
+        return req.req_id if req.fork_of is None else req.fork_of
+
+    def _queue_forks(self, family: int) -> None:
+        """The family's prompt is computed: its waiting samples go to the front of WAITING, each to take
+        the prompt's blocks when admitted."""
+        samples = self._forks.pop(family, ())
+        if not samples:
+            return
+        self._unforked.setdefault(family, set()).update(s.req_id for s in samples)
         for sample in reversed(samples):
             self.waiting.appendleft(sample)
         self._queues_version += 1
 
     def _fork_settled(self, sample: Request) -> None:
-        """sample left WAITING (admitted, or aborted): its source's blocks go once no other sample needs them."""
-        pending = self._unforked.get(sample.fork_of)
+        """sample left WAITING (admitted, or aborted): a held prompt goes once no other sample needs it."""
+        family = self._family_of(sample)
+        pending = self._unforked.get(family)
         if pending is None:
             return
         pending.discard(sample.req_id)
         if not pending:
-            del self._unforked[sample.fork_of]
-            held = self._lingering.pop(sample.fork_of, None)
+            del self._unforked[family]
+            held = self._lingering.pop(family, None)
             if held is not None:
                 self.bm.free(held)
+                self._tidy_family(family)
 
     def _drop_lingering(self) -> None:
-        """Free every finished source's held prompt (its samples then compute the prompt themselves)."""
-        for source_id, held in list(self._lingering.items()):
-            self._unforked.pop(source_id, None)
+        """Free every ended sample's held prompt (the samples that had not taken it compute it themselves)."""
+        for family, held in list(self._lingering.items()):
+            self._unforked.pop(family, None)
             self.bm.free(held)
-        self._lingering.clear()
+            del self._lingering[family]
+            self._tidy_family(family)
+
+    def _tidy_family(self, family: int) -> None:
+        """Forget a family none of whose samples is live or holds blocks any more."""
+        ids = self._families.get(family)
+        if ids is not None and family not in self._lingering and not any(i in self.requests for i in ids):
+            del self._families[family]
+
+    def _prompt_blocks(self, holder: Request, head: Request) -> list[int | None]:
+        """The blocks of holder's table that hold head's prompt but its last token (None before a sliding
+        window), if holder holds them all with their KV written; else []."""
+        computed = head.num_prompt_tokens - 1
+        if computed <= 0 or holder.num_computed_tokens < computed or holder.req_id not in self.bm.holders:
+            return []
+        null, skip = self.bm.null_block, self.bm.outside_window(computed)
+        hits = [None if b == null else b for b in holder.block_table[: blocks_needed(computed, self.bm.block_size)]]
+        return hits if None not in hits[skip:] else []
+
+    def _end_sample(self, req: Request) -> None:
+        """req, a sample of n, ends: if a sample that has not taken the prompt's blocks needs them and no ended
+        sample holds them yet, req keeps its prompt blocks (its own tokens' go), else its blocks are freed."""
+        family = self._family_of(req)
+        if (self._unforked.get(family) and family not in self._lingering
+                and any(b is not None for b in self._prompt_blocks(req, req))):
+            self.bm.trim(req, req.num_prompt_tokens - 1)  # its own tokens' blocks go now
+            self._lingering[family] = req
+        else:
+            self.bm.free(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._forks)
@@ -194,6 +245,11 @@ class Scheduler:
             victim.num_recomputed_tokens += victim.num_computed_tokens
             self.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0  # recompute: prompt and outputs are prefilled again
+            family = self._family_of(victim)
+            if family in self._families and family not in self._forks:
+                # a sample of n: it takes the prompt's blocks again from a sample holding them, and one that
+                # ends meanwhile holds them for it
+                self._unforked.setdefault(family, set()).add(victim.req_id)
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         self._queues_version += 1
@@ -205,6 +261,7 @@ class Scheduler:
     def _admit(self, request: Request, now: float) -> None:
         self.waiting.popleft()
         self._queues_version += 1
+        self._fresh.add(request.req_id)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled is None:
             request.first_scheduled = now
@@ -230,6 +287,7 @@ class Scheduler:
         # tables only grow, or are replaced after a free; a sliding window nulls entries in place
         out.tables_grow_in_place = self.bm.sliding_window is None
         self._finished_since_last = []
+        self._fresh.clear()
         self._reorder()
         if self.mode is Mode.STATIC:
             self._schedule_static(out, now)
@@ -243,6 +301,9 @@ class Scheduler:
     def _grow_or_preempt(self, req: Request, total_tokens: int, out: SchedulerOutput) -> bool:
         """Find blocks for req by preempting the newest running requests; False if req itself was the victim."""
         while not self.bm.grow(req, total_tokens):
+            if self._lingering:  # held prompts of ended samples go before a running request loses its KV
+                self._drop_lingering()
+                continue
             victim = self._pick(self.policy.victim(list(self.running), req), "victim")
             self._preempt(victim, out)
             if victim is req:
@@ -273,30 +334,37 @@ class Scheduler:
         return True
 
     def _fork_hits(self, head: Request) -> list[int | None]:
-        """The blocks holding head's prompt but its last token, from the request it forks from (if
-        that one still holds them): what head shares by refcount."""
-        source = self.requests.get(head.fork_of) or self._lingering.get(head.fork_of)
-        computed = head.num_prompt_tokens - 1
-        if (source is None or (source.status is not RequestStatus.RUNNING and source.req_id not in self._lingering)
-                or source.num_computed_tokens < computed):
+        """The blocks holding head's prompt but its last token, from a sample of its family that holds
+        them (the held prompt of one that ended, else a running one's): what head shares by refcount.
+        One admitted this step is passed over: the copy-on-write copy into its last block is not made yet."""
+        family = self._family_of(head)
+        ids = self._families.get(family)
+        if ids is None:
             return []
-        null, skip = self.bm.null_block, self.bm.outside_window(computed)
-        hits = [None if b == null else b for b in source.block_table[: blocks_needed(computed, self.bm.block_size)]]
-        return hits if computed > 0 and None not in hits[skip:] else []
+        for holder in (self._lingering.get(family), *(self.requests.get(i) for i in ids)):
+            if (holder is None or holder is head or holder.req_id in self._fresh
+                    or (holder.status is not RequestStatus.RUNNING and holder is not self._lingering.get(family))):
+                continue
+            hits = self._prompt_blocks(holder, head)
+            if hits:
+                return hits
+        return []
 
     def _cached_prefix(self, head: Request) -> tuple[list[int | None], int]:
         """(hit blocks, tokens already computed) for the head of WAITING."""
         if head.status is RequestStatus.SWAPPED:
             return [], head.num_computed_tokens
-        if head.fork_of is not None and head.num_computed_tokens == 0:
-            hits = self._fork_hits(head)
-            if hits:
-                return hits, head.num_prompt_tokens - 1
+        fork_hits = self._fork_hits(head) if head.num_computed_tokens == 0 and self._families else []
+        # a sample that has not sampled yet can get no more from the cache than its prompt but the last token
+        if fork_hits and (not self.bm.enable_caching or head.num_output_tokens == 0):
+            return fork_hits, head.num_prompt_tokens - 1
         if not self.bm.enable_caching:
             return [], head.num_computed_tokens
         hits = self.bm.match_prefix(head.token_ids)
         # Always compute at least the last token: its logits give the next sample.
         computed = min(len(hits) * self.bm.block_size, head.num_tokens - 1)
+        if fork_hits and computed < head.num_prompt_tokens - 1:  # a preempted sample: the larger of the two
+            return fork_hits, head.num_prompt_tokens - 1
         return hits[: blocks_needed(computed, self.bm.block_size)], computed
 
     def _admit_waiting(self, out: SchedulerOutput, now: float, budget_left: int, whole_prompts: bool) -> int:
@@ -341,7 +409,7 @@ class Scheduler:
                     # blocks shared or revived: none before the window of a sliding-window model
                     out.hits.append((head.req_id, computed, len(hits) - self.bm.outside_window(computed)))
             self._admit(head, now)
-            if head.fork_of is not None:
+            if self._unforked:
                 self._fork_settled(head)
             self._schedule_tokens(out, head, n)
             budget_left -= n
@@ -444,10 +512,19 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             head = self.waiting[0]
             reserve = min(head.num_prompt_tokens + head.params.max_tokens, self.max_model_len)
-            if blocks_needed(reserve, self.bm.block_size) > self.bm.num_free:
+            hits = self._fork_hits(head) if self._families and head.num_computed_tokens == 0 else []
+            if hits:  # a sample of n: it shares the prompt's blocks but the one holding the last token
+                ok = self.bm.admit(head, hits, head.num_prompt_tokens - 1, reserve)
+            else:
+                ok = blocks_needed(reserve, self.bm.block_size) <= self.bm.num_free and self.bm.grow(head, reserve)
+            if not ok:
+                if not self.running and self._lingering:  # nothing left to free but held prompts: recompute
+                    self._drop_lingering()
+                    continue
                 break
-            self.bm.grow(head, reserve)
             self._admit(head, now)
+            if self._unforked:
+                self._fork_settled(head)
             out.admitted.append(head.req_id)
         if self.waiting:
             out.admission = self._verdict_for_head(out, self.budget)
@@ -481,11 +558,10 @@ class Scheduler:
             if seq.sample:
                 req.append_token(sampled[seq.req_id], now)
                 sampled_reqs.append(req)
-        if self._forks:  # a request with n samples computed its prompt: the others can fork now
+        if self._forks:  # the sample computing a prompt of n computed it: the others can fork now
             for req in sampled_reqs:
-                if req.req_id in self._forks and req.num_output_tokens == 1:
-                    self._unforked[req.req_id] = {s.req_id for s in self._forks[req.req_id]}
-                    self._queue_forks(req)
+                if req.num_output_tokens == 1 and self._family_of(req) in self._forks:
+                    self._queue_forks(self._family_of(req))
         self._stop_finished(sampled_reqs, now, eos_token_ids, finished)
         if self.mode is Mode.STATIC and self.running and all(r.done_generating for r in self.running):
             for req in list(self.running):
@@ -522,42 +598,76 @@ class Scheduler:
 
     # ---- abort ------------------------------------------------------------------------
     def abort(self, req_id: int, now: float, reason: str = FINISH_ABORT) -> Request | None:
-        """End a live request between steps (its client left): it leaves its queue, its blocks are
-        freed (or stay cached with prefix caching), swapped KV is dropped. None if it is not live."""
+        """End a live request between steps (its client left, or a stop id or string ended it): it leaves
+        its queue, its blocks are freed (or stay cached with prefix caching), swapped KV is dropped. A
+        sample of n still computing the prompt hands its place and KV to the next sample; one that has
+        computed it may hold its prompt blocks for the samples that have not taken them. None if it is
+        not live."""
         req = self.requests.get(req_id)
         if req is None:
             return None
-        pending = self._forks.get(req.fork_of) if req.fork_of is not None else None
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif pending and req in pending:  # a sample still waiting for its prompt's KV
+        family = self._family_of(req)
+        pending = self._forks.get(family) if family in self._families else None
+        held = False  # its blocks may stay held for samples that have not taken them
+        if pending and req in pending:  # a sample still waiting for its prompt's KV
             pending.remove(req)
+            if not pending:
+                del self._forks[family]
+        elif pending:  # the sample computing the prompt: the first waiting sample takes its place and its KV
+            self._hand_over(req, pending.pop(0))
+            if not pending:
+                del self._forks[family]
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            held = family in self._families
         else:
             self.waiting.remove(req)
             if req.status is RequestStatus.SWAPPED:
                 self.swap_pool.drop(req_id)
         self._queues_version += 1
-        if req_id in self._forks:
-            self._queue_forks(req)  # its samples go on, each computing the prompt itself
-        self._unforked.pop(req_id, None)  # (an aborted source's samples recompute the prompt too)
-        if req.fork_of is not None:
+        if self._unforked:
             self._fork_settled(req)
         req.finish_reason = reason
-        self.bm.free(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_time = now
-        self._finished_since_last.append(req.req_id)
-        del self.requests[req.req_id]
-        return req
-
-    def _release(self, req: Request, now: float) -> None:
-        self.running.remove(req)
-        self._queues_version += 1
-        if self._unforked.get(req.req_id):
-            self._lingering[req.req_id] = req  # its samples still need its prompt blocks: freed when they have them
+        if held:
+            self._end_sample(req)
         else:
             self.bm.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_time = now
         self._finished_since_last.append(req.req_id)
         del self.requests[req.req_id]
+        if self._families:
+            self._tidy_family(family)
+        return req
+
+    def _hand_over(self, source: Request, heir: Request) -> None:
+        """source, the sample computing its family's prompt, ends before it has: heir, a sample waiting for
+        that prompt, takes its place in its queue with the KV it has computed (blocks by refcount, or its
+        swapped-out copy), and computes the rest of the prompt for the others."""
+        if source.status is RequestStatus.RUNNING:
+            self.running[self.running.index(source)] = heir
+            self.bm.adopt(heir, source)
+            heir.first_scheduled = source.first_scheduled
+            heir.num_prefill_chunks = source.num_prefill_chunks
+        else:
+            self.waiting[self.waiting.index(source)] = heir
+            if source.status is RequestStatus.SWAPPED:
+                self.swap_pool.tables[heir.req_id] = self.swap_pool.tables.pop(source.req_id)
+                heir.num_computed_tokens = source.num_computed_tokens
+        kept = (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+        heir.status = source.status if source.status in kept else RequestStatus.WAITING
+        heir.num_cached_tokens = source.num_cached_tokens
+
+    def _release(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        self._queues_version += 1
+        if self._families:
+            self._end_sample(req)  # freed, or held for the samples that have not taken its prompt blocks
+        else:
+            self.bm.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_time = now
+        self._finished_since_last.append(req.req_id)
+        del self.requests[req.req_id]
+        if self._families:
+            self._tidy_family(self._family_of(req))
