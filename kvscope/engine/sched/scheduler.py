@@ -479,6 +479,19 @@ class Scheduler:
         running = RequestStatus.RUNNING
         d = out.decodes  # a preemption below drops from these same lists
         ids, positions, token_ids, block_tables = d.req_ids, d.positions, d.token_ids, d.block_tables
+        take = decodes if len(decodes) <= budget_left else decodes[:max(0, budget_left)]
+        starting = [req for req in take if req.num_computed_tokens >= len(req.block_table) * bs]
+        if len(starting) <= self.bm.pool.num_free:
+            # Every block they need is free: nobody is preempted, so the columns are built whole,
+            # the blocks taken in the same order as the loop below would take them.
+            for req in starting:
+                self.bm.grow(req, req.num_computed_tokens + 1)
+            starts = [req.num_computed_tokens for req in take]
+            ids += [req.req_id for req in take]
+            positions += starts
+            token_ids += [req.token_ids[start] for req, start in zip(take, starts)]
+            block_tables += [req.block_table for req in take]
+            return budget_left - len(take)
         for req in decodes:
             if budget_left <= 0:
                 break
