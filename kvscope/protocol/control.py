@@ -194,8 +194,6 @@ class ControlServer(OwnsSocket):
         out: list[ControlRequest] = []
         snapshot: ControlRequest | None = None
         injected = 0
-        if self._held is None and not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return out  # nothing arrived: the common case, every step, without raising zmq.Again
         for _ in range(self.max_per_poll):
             if self._held is not None:
                 req, self._held = self._held, None
