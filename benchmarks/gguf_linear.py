@@ -1,13 +1,14 @@
 """One decode token's linear layers on SmolLM2: the GGUF's own blocks against the dequantized, oneDNN-packed weights.
 
     python benchmarks/gguf_linear.py [--model smollm2-135m] [--rows 1] [--dtype bfloat16] [--threads N]
-                                [--repeats 30] [--json FILE]
+                                [--repeats 30] [--paths] [--json FILE]
 
 A pass is every layer's q/k/v, o, gate/up and down GEMM and the lm_head, on `--rows` rows of
 input, as a decode step runs them (the attention and norms between are left out): the weights
 are read from memory, not cache, since together they are larger than the last-level cache. The
 two passes alternate, and each time is the median of the repeats; GB/s is the weights' bytes
-over the time.
+over the time. `--paths` adds a row for each of the op's loops this CPU runs (kvscope::gguf_paths: AVX-512,
+AVX2, generic), the default first; the blocks row is the default's.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--paths", action="store_true", help="a row for each loop the op has here")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
 
     import torch
 
+    from kvscope import cpu_isa
     from kvscope.engine.loader import gguf_blocks
     from kvscope.engine.cpu.linear import pack_linears
     from kvscope.engine.loader.models import load_model
+    from kvscope.kernels.cpu import gguf_linear
     from kvscope.kernels.cpu import library as cpu_attention
 
     if args.threads:
@@ -70,6 +74,14 @@ def main() -> int:
         cfg.vocab_size * width * x.element_size()
     rows = {"dense (oneDNN, packed)": (dense, loaded.model.lm_head, dense_bytes),
             "GGUF blocks": (gguf, blocks.lm_head, blocks.nbytes)}
+    if args.paths and not any(m.ggml_type >= gguf_linear.X16 for layer in gguf for m in layer):
+        def on(path):
+            def call(m):
+                return lambda v: torch.ops.kvscope.gguf_linear_on(v, m.blocks, m.ggml_type, m.bias, path)
+            return [tuple(map(call, layer)) for layer in gguf], call(blocks.lm_head)
+
+        for path in torch.ops.kvscope.gguf_paths(dtype):
+            rows[f"GGUF blocks, {path} loops"] = (*on(path), blocks.nbytes)
     times: dict[str, list[float]] = {name: [] for name in rows}
     with torch.inference_mode():
         for _ in range(3):
@@ -80,12 +92,14 @@ def main() -> int:
                 times[name].append(run(layers, head))
     result = {"model": args.model, "dtype": args.dtype, "rows": args.rows, "threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(), "rows_out": []}
-    print(f"{args.model}, {args.dtype}, {args.rows} row(s), {torch.get_num_threads()} threads, "
+    result["isa_cap"] = cpu_isa.describe()
+    cap = f", {cpu_isa.describe()}" if cpu_isa.describe() else ""
+    print(f"{args.model}, {args.dtype}, {args.rows} row(s), {torch.get_num_threads()} threads{cap}, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'weights':<24} {'MB read':>8} {'ms / pass':>10} {'GB/s':>6}")
+    print(f"{'weights':<32} {'MB read':>8} {'ms / pass':>10} {'GB/s':>6}")
     for name, (_, _, nbytes) in rows.items():
         ms = statistics.median(times[name]) * 1e3
-        print(f"{name:<24} {nbytes / 1e6:>8.1f} {ms:>10.2f} {nbytes / ms / 1e6:>6.1f}")
+        print(f"{name:<32} {nbytes / 1e6:>8.1f} {ms:>10.2f} {nbytes / ms / 1e6:>6.1f}")
         result["rows_out"].append({"weights": name, "mb": nbytes / 1e6, "ms": ms, "gb_s": nbytes / ms / 1e6})
     if args.json:
         with open(args.json, "w") as f:

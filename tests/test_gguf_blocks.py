@@ -68,8 +68,9 @@ def test_widened_weights_are_gguf_py_values_rounded_once(name, dtype):
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 33])  # one tile, tiles and a remainder, the dense path
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17, 33])  # one tile, tiles (of 4 or 8) and a remainder, dense
 def test_linear_is_a_dense_gemm_up_to_summation_order(name, dtype, rows):
+    """Every loop this CPU runs (AVX-512, AVX2 on any CPU with it, generic), not only the default one."""
     if not _op_loaded():
         pytest.skip("the CPU kernels did not build here")
     ggml_type = TYPES[name]
@@ -78,13 +79,38 @@ def test_linear_is_a_dense_gemm_up_to_summation_order(name, dtype, rows):
     x = torch.randn(2, rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
     weight = gguf_py(blocks, ggml_type).to(dtype)
     want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())  # exact products, then one rounding
-    got = torch.ops.kvscope.gguf_linear(x, blocks, ggml_type, bias)
-    assert got.dtype == dtype and got.shape == (2, rows, 40)
     # float32: summation order; bf16: the output's one rounding (2^-8 relative) on top
     tol = 1e-5 if dtype == torch.float32 else 8e-3
-    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
     ref = gguf_linear.linear_reference(x, blocks, ggml_type, bias)
-    assert torch.allclose(got.double(), ref.double(), rtol=2 * tol, atol=2 * tol * want.abs().max().item())
+    paths = gguf_linear.paths(dtype)
+    assert "generic" in paths
+    for path in ["", *paths]:
+        got = torch.ops.kvscope.gguf_linear_on(x, blocks, ggml_type, bias, path)
+        assert got.dtype == dtype and got.shape == (2, rows, 40)
+        assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item()), path
+        assert torch.allclose(got.double(), ref.double(), rtol=2 * tol, atol=2 * tol * want.abs().max().item()), path
+    assert torch.equal(torch.ops.kvscope.gguf_linear(x, blocks, ggml_type, bias),
+                       torch.ops.kvscope.gguf_linear_on(x, blocks, ggml_type, bias, paths[0]))
+
+
+def test_the_default_loops_are_the_widest_this_cpu_runs_under_its_cap():
+    """AVX-512 where the CPU (under ONEDNN_MAX_CPU_ISA) has it, else AVX2 + FMA + F16C, else generic; the AVX2 loops
+    are there to test on every CPU with AVX2, capped or not."""
+    if not _op_loaded():
+        pytest.skip("the CPU kernels did not build here")
+    from kvscope import cpu_isa
+
+    flags = cpu_isa.cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    avx2 = {"avx2", "fma", "f16c"} <= cpu_isa.read_cpu_flags()
+    assert ("avx2" in gguf_linear.paths(torch.float32)) == avx2
+    want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "generic"
+    assert gguf_linear.paths(torch.float32)[0] == want
+    bf16 = "avx512-bf16" if {"avx512_bf16", "avx512bw"} <= flags else "avx2" if want != "generic" else "generic"
+    assert gguf_linear.paths(torch.bfloat16)[0] == bf16
+    with pytest.raises(RuntimeError, match="no 'avx9' loops"):
+        torch.ops.kvscope.gguf_linear_on(torch.zeros(1, 64), random_blocks(8, 64, 3), 3, None, "avx9")
 
 
 X16_TYPES = TYPES

@@ -120,12 +120,14 @@ class GgufWeights:
         return GgufWeights(self.path, [LayerLinears(*map(relaid, layer.linears())) for layer in self.layers],
                            relaid(self.lm_head))
 
-    def describe(self) -> str:
+    def describe(self, dtype: torch.dtype = torch.float32) -> str:
         types = {m.ggml_type for layer in self.layers for m in layer.linears()}
         kinds = sorted({gguf_linear.FORMATS[t % gguf_linear.X16].name for t in types})
         repacked = " (repacked 16 rows at a time)" if types & gguf_linear.X16_FORMATS.keys() else ""
+        loops = gguf_linear.paths(dtype)  # the loops the file's own layout runs on here (x16 lines have their own)
+        on = f" on the {gguf_linear.LOOP_NAMES[loops[0]]} loops" if loops and not repacked else ""
         head = gguf_linear.FORMATS[self.lm_head.ggml_type % gguf_linear.X16].name
-        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}, "
+        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}{on}, "
                 f"lm_head on its {head} ({self.nbytes / 2**20:,.0f} MiB read per token, held beside the dense weights)")
 
 

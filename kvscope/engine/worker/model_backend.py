@@ -111,7 +111,7 @@ class ModelBackend:
             raise KvscopeError("--quantization gguf computes in float32 or bfloat16; pick one with --dtype")
         cpu_attention.load()  # its op is in the CPU kernels' library (built once per machine)
         weights = gguf_blocks.load(self.model.gguf_path, self.model.model)
-        self.model.linear_note = weights.describe()
+        self.model.linear_note = weights.describe(self.torch_dtype)
         return weights
 
     def kv_block_bytes(self, block_size: int) -> int:

@@ -11,6 +11,8 @@ ggml-common.h, with gguf-py's dequantization (what transformers loads a GGUF wit
 (a byte's low nibble is weight j, its high nibble weight j + 16). The weights are computed in float32
 and rounded to the activations' dtype, as a model dequantized into that dtype holds them; the C++ op
 then multiplies in float32. `linear` uses the op where the library is loaded, else the reference.
+The op has loops for each kind of x86 CPU (AVX-512, AVX2 + FMA + F16C, generic C++); it runs the widest
+that the CPU has under ONEDNN_MAX_CPU_ISA, and `paths` names them (tests run each).
 
 `kernel_layout` repacks a weight for bf16 activations on a CPU with AVX-512 BF16 into the x16 layout
 (types X16 + 2, 3 and 8, kvscope's own ids): 16 rows interleaved per line, so that a vector's 16 lanes
@@ -164,6 +166,15 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Te
     if x.device.type == "cpu" and x.dtype in DTYPES and op_available():
         return torch.ops.kvscope.gguf_linear(x, blocks, ggml_type, bias)
     return linear_reference(x, blocks, ggml_type, bias)
+
+
+def paths(dtype: torch.dtype) -> list[str]:
+    """The op's loops for activations of `dtype` on this CPU, the one it runs first ("avx512-bf16", "avx512", "avx2"
+    or "generic"; csrc/cpu_gguf.cpp's gguf_paths); [] where the op is not loaded."""
+    return list(torch.ops.kvscope.gguf_paths(dtype)) if op_available() and dtype in DTYPES else []
+
+
+LOOP_NAMES = {"avx512-bf16": "AVX-512 BF16", "avx512": "AVX-512", "avx2": "AVX2", "generic": "generic"}
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:

@@ -16,9 +16,13 @@
 // weights widened once per tile); a longer input (a prefill chunk) has the weight widened whole
 // into x's dtype once and multiplied by ATen's GEMM, where arithmetic, not bytes, is the cost.
 //
-// Registered as kvscope::gguf_linear, kvscope::gguf_dequantize and kvscope::gguf_x16 (whether the x16
-// kernel is built here); kvscope/kernels/cpu/gguf_linear.py holds the torch reference of both, the block
-// layouts (from ggml's ggml-common.h) and the x16 packing.
+// The file's own blocks are multiplied by AVX-512 loops, AVX2 + FMA + F16C loops (an AVX2-only CPU such as a
+// Zen 2/3 EPYC: 97 MB a token instead of float32's 538) or plain C++, the widest the build targets by default.
+//
+// Registered as kvscope::gguf_linear, kvscope::gguf_dequantize, kvscope::gguf_x16 (whether the x16 kernel is
+// built here), kvscope::gguf_paths (the loops this CPU runs) and kvscope::gguf_linear_on (gguf_linear on named
+// loops); kvscope/kernels/cpu/gguf_linear.py holds the torch reference of both, the block layouts (from ggml's
+// ggml-common.h) and the x16 packing.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,8 +37,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+// The AVX2 loops are compiled into every x86-64 build (a function-level target), so that they can be tested and
+// measured on any CPU that has AVX2, FMA and F16C; they are the default only where the build itself targets
+// AVX2 and nothing wider (an AVX2-only CPU, or a bigger one under ONEDNN_MAX_CPU_ISA=AVX2).
+#define KVSCOPE_AVX2_LOOPS 1
+#define KVSCOPE_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace {
@@ -286,6 +297,96 @@ void gemv_tile_bf16(const uint8_t* blocks, int64_t row_bytes, int64_t in, const 
 #endif
 #endif
 
+#if defined(KVSCOPE_AVX2_LOOPS)
+// The tile with AVX2 + FMA + F16C: a block's 32 weights widened into four float32 registers (weights 0-7, 8-15,
+// 16-23, 24-31), each exactly widen()'s value (for Q4_1 one fused d*q + m: d*q is exact, so one rounding, as
+// gguf-py's). x is float32; bf16 activations (kBf16) have the weights rounded to bf16 first, as widen() does.
+KVSCOPE_AVX2 inline __m256 half_avx2(const uint8_t* p) {  // an f16 broadcast to eight float32 lanes
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm256_set1_ps(_cvtsh_ss(bits));
+}
+
+template <int64_t kType, bool kBf16>
+KVSCOPE_AVX2 inline void widen_avx2(const uint8_t* block, __m256 w[4]) {
+  const __m256 d = half_avx2(block);
+  if constexpr (kType == kQ8_0) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  } else {
+    const uint8_t* qs = block + (kType == kQ4_1 ? 4 : 2);
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    for (int i = 0; i < 2; ++i) {  // bytes 8i..8i+7: their low nibbles are weights 8i.., their high ones 16 + 8i..
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i)));
+      __m256i ql = _mm256_and_si256(q, low), qh = _mm256_srli_epi32(q, 4);
+      if constexpr (kType == kQ4_0) {
+        ql = _mm256_sub_epi32(ql, _mm256_set1_epi32(8));
+        qh = _mm256_sub_epi32(qh, _mm256_set1_epi32(8));
+        w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ql));
+        w[i + 2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(qh));
+      } else {
+        const __m256 m = half_avx2(block + 2);
+        w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(ql), m);
+        w[i + 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(qh), m);
+      }
+    }
+  }
+  if constexpr (kBf16) {  // round_bf16 on eight lanes: round to nearest even, then drop the low 16 bits
+    for (int i = 0; i < 4; ++i) {
+      __m256i u = _mm256_castps_si256(w[i]);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+      u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+      w[i] = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+  }
+}
+
+KVSCOPE_AVX2 inline float sum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Up to kAvx2RowTile rows of x per widened block. One row has four accumulators (a block's four multiply-adds
+// would otherwise wait on each other's latency), more rows two each, which keeps to AVX2's 16 registers.
+constexpr int64_t kAvx2RowTile = 4;
+
+template <int64_t kType, bool kBf16, int64_t kRows>
+KVSCOPE_AVX2 void gemv_tile_avx2(const uint8_t* blocks, int64_t row_bytes, int64_t in, const float* x, const Out& y,
+                                 int64_t o0, int64_t o1) {
+  constexpr int kAcc = kRows == 1 ? 4 : 2;
+  const int64_t nb = in / kBlock, bb = row_bytes / nb;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = blocks + o * row_bytes;
+    __m256 acc[kRows][kAcc];
+    for (int64_t t = 0; t < kRows; ++t)
+      for (int a = 0; a < kAcc; ++a) acc[t][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      widen_avx2<kType, kBf16>(row + b * bb, w);
+      for (int64_t t = 0; t < kRows; ++t) {
+        const float* xt = x + t * in + b * kBlock;
+        for (int i = 0; i < 4; ++i) acc[t][i % kAcc] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xt + 8 * i), acc[t][i % kAcc]);
+      }
+    }
+    for (int64_t t = 0; t < kRows; ++t) {
+      __m256 s = acc[t][0];
+      for (int a = 1; a < kAcc; ++a) s = _mm256_add_ps(s, acc[t][a]);
+      y.put(t, o, sum_avx2(s));
+    }
+  }
+}
+
+bool avx2_here() {  // this CPU runs the AVX2 loops (every x86-64 build has them)
+  static const bool here = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  return here;
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KVSCOPE_X16 1
 // The x16 layout (gguf_linear.py's pack_x16): 16 output rows interleaved, so that a vector's 16 float lanes
@@ -525,7 +626,35 @@ bool gguf_x16() {  // whether gguf_linear multiplies x16 lines here (bf16 x); el
 #endif
 }
 
-Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const std::optional<Tensor>& bias) {
+// The loops that multiply a file's blocks (not x16 lines) for x of `dtype` here, fastest first: the first is
+// gguf_linear's. "avx512-bf16": bf16 dot products (AVX-512 BF16); "avx512": AVX-512 float32; "avx2": AVX2 + FMA
+// + F16C, the default where the build targets nothing wider; "generic": plain C++ (auto-vectorized).
+std::vector<std::string> gguf_paths(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_paths: float32 or bfloat16 only");
+  std::vector<std::string> paths;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (dtype == at::kBFloat16) paths.push_back("avx512-bf16");
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) paths.push_back("avx512");
+#endif
+#if defined(KVSCOPE_AVX2_LOOPS)
+  if (avx2_here()) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    paths.push_back("avx2");
+#else
+    paths.insert(paths.end(), {"generic", "avx2"});  // built for a CPU below AVX2: generic stays the default
+    return paths;
+#endif
+  }
+#endif
+  paths.push_back("generic");
+  return paths;
+}
+
+// gguf_linear on the named loops ("" for the default); tests and benchmarks/gguf_linear.py name each.
+Tensor gguf_linear_on(const Tensor& x, const Tensor& blocks, int64_t type, const std::optional<Tensor>& bias,
+                      c10::string_view path_name) {
   const int64_t in = check_blocks(blocks, type), out = out_features(blocks, type);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "gguf_linear: x's last dimension is ", x.size(-1),
               ", the weight's ", in);
@@ -545,11 +674,12 @@ Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const st
 #endif
     return at::linear(x, gguf_dequantize(blocks, type, x.scalar_type()), bias);  // kvscope packs only for the above
   }
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const bool bf16_dot = bf16;  // bf16 x read as it is, multiplied by the CPU's bf16 dot product
-#else
-  const bool bf16_dot = false;
-#endif
+  const std::vector<std::string> paths = gguf_paths(x.scalar_type());
+  const std::string path = path_name.empty() ? paths.front() : std::string(path_name);
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "gguf_linear: no '", path,
+              "' loops for ", x.scalar_type(), " here");
+  const bool bf16_dot = path == "avx512-bf16";  // bf16 x read as it is, multiplied by the CPU's bf16 dot product
+  const bool avx2 = path == "avx2", avx512 = path == "avx512";
   const Tensor xs = bf16_dot ? x.reshape({rows, in}).contiguous() : x.reshape({rows, in}).to(at::kFloat).contiguous();
   Tensor y = at::empty({rows, out}, x.options());
   const Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : Tensor();
@@ -559,6 +689,16 @@ Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const st
   at::parallel_for(0, out, kGrain, [&](int64_t o0, int64_t o1) {
     with_type(type, [&](auto type_c) {
       constexpr int64_t kType = decltype(type_c)::value;
+#if defined(KVSCOPE_AVX2_LOOPS)
+      if (avx2) {
+        return over_row_tiles<kAvx2RowTile>(rows, [&](int64_t t0, auto rows_c) {
+          constexpr int64_t kRows = decltype(rows_c)::value;
+          const float* xt = xs.data_ptr<float>() + t0 * in;
+          if (bf16) return gemv_tile_avx2<kType, true, kRows>(w, row_bytes, in, xt, sink.at_row(t0), o0, o1);
+          return gemv_tile_avx2<kType, false, kRows>(w, row_bytes, in, xt, sink.at_row(t0), o0, o1);
+        });
+      }
+#endif
       over_row_tiles(rows, [&](int64_t t0, auto rows_c) {
         constexpr int64_t kRows = decltype(rows_c)::value;
         const Out yt = sink.at_row(t0);
@@ -569,16 +709,20 @@ Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const st
         }
 #endif
         const float* xt = xs.data_ptr<float>() + t0 * in;
-        if (bf16) return gemv_tile<kType, true, kRows>(w, row_bytes, in, xt, yt, o0, o1);
 #if defined(__AVX512F__)
-        return gemv_tile_f32<kType, kRows>(w, row_bytes, in, xt, yt, o0, o1);
-#else
-        return gemv_tile<kType, false, kRows>(w, row_bytes, in, xt, yt, o0, o1);
+        if (avx512) return gemv_tile_f32<kType, kRows>(w, row_bytes, in, xt, yt, o0, o1);
 #endif
+        if (bf16) return gemv_tile<kType, true, kRows>(w, row_bytes, in, xt, yt, o0, o1);
+        return gemv_tile<kType, false, kRows>(w, row_bytes, in, xt, yt, o0, o1);
       });
     });
   });
+  (void)bf16_dot, (void)avx2, (void)avx512;
   return y.view(out_shape);
+}
+
+Tensor gguf_linear(const Tensor& x, const Tensor& blocks, int64_t type, const std::optional<Tensor>& bias) {
+  return gguf_linear_on(x, blocks, type, bias, "");
 }
 
 }  // namespace
@@ -587,10 +731,13 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, ScalarType dtype) -> Tensor");
   m.def("gguf_x16() -> bool", &gguf_x16);
+  m.def("gguf_paths(ScalarType dtype) -> str[]", &gguf_paths);
+  m.def("gguf_linear_on(Tensor x, Tensor blocks, int type, Tensor? bias, str path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_linear_on", &gguf_linear_on);
   m.impl("gguf_dequantize", &gguf_dequantize);
 }
 
