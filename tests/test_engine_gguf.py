@@ -56,7 +56,8 @@ def chat_prompts(smollm2) -> list[list[int]]:
 
 
 def real_llm(path, **settings) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", **settings)
+    """The dense float32 model unless told otherwise (--quantization auto would take the blocks on some CPUs)."""
+    return LLM(path, device="cpu", dtype="float32", **{"quantization": "none", **settings})
 
 
 def check_equal(outs, expected, prompts) -> None:
@@ -262,13 +263,20 @@ def test_greedy_under_vllm_scheduler_with_preemption_and_prefix_caching(smollm2,
 
 
 @pytest.mark.parametrize("settings", [dict(mode="chunked", num_blocks=64, max_num_batched_tokens=48),
-                                      dict(mode="chunked", block_size=8, num_blocks=9, max_num_batched_tokens=32)],
-                         ids=["chunked", "preempted"])
+                                      dict(mode="chunked", block_size=8, num_blocks=9, max_num_batched_tokens=32),
+                                      dict(mode="naive", num_blocks=64, quantization="auto")],
+                         ids=["chunked", "preempted", "auto"])
 def test_greedy_on_the_gguf_blocks_matches_transformers(smollm2, smollm2_path, chat_prompts, settings):
     """--quantization gguf: the linear layers multiply the file's Q4_1 blocks (and its Q8_0 lm_head) in place; the
-    weights are transformers' dequantized ones, so in float32 only the summation order differs."""
+    weights are transformers' dequantized ones, so in float32 only the summation order differs. auto (the default)
+    takes the blocks in float32 where the CPU has their AVX2 or AVX-512 loops: the same tokens."""
     _, ref = smollm2
-    llm = real_llm(smollm2_path, quantization="gguf", **settings)
+    llm = real_llm(smollm2_path, **{"quantization": "gguf", **settings})
+    if settings.get("quantization") == "auto":
+        if gguf_linear.paths(torch.float32)[:1] in ([], ["generic"]):
+            pytest.skip("auto dequantizes on this CPU (generic loops)")
+        assert llm.engine.backend.quantization == "gguf"
+        assert "; auto: float32 on this CPU's" in llm.engine.loaded.linear_note
     runner = llm.engine.runner
     assert runner.forward_name.startswith("kvscope decoder, linear layers on GGUF blocks")
     assert "Q4_1 blocks, lm_head on its Q8_0" in llm.engine.loaded.linear_note

@@ -234,10 +234,11 @@ def test_a_truncated_file_is_refused_in_one_line(smollm2_path, tmp_path):
 
 
 def test_quantization_is_checked_in_one_line():
-    with pytest.raises(KvscopeError, match=r"unknown quantization 'awq' \(choose from gguf\)"):
+    with pytest.raises(KvscopeError, match=r"unknown quantization 'awq' \(choose from auto, gguf, none\)"):
         EngineConfig(quantization="awq").validate()
     with pytest.raises(KvscopeError, match="the sim backend runs no weights"):
         EngineConfig(model="llama-3.3-70b-fp8", backend="sim", quantization="gguf").validate()
+    EngineConfig(model="llama-3.3-70b-fp8", backend="sim").validate()  # auto, the default, asks nothing of the sim
     from kvscope.engine import LLM
 
     with pytest.raises(KvscopeError, match="needs a GGUF model"):
@@ -279,7 +280,7 @@ def test_the_hello_says_the_blocks_ran_and_the_header_shows_it(smollm2_path, tmp
     engine = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8, quantization="gguf").engine
     config = decode(encode(engine.hello())).config
     assert config.quantization == "gguf" and config.dtype == "float32"
-    dense = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8).engine.hello()
+    dense = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8, quantization="none").engine.hello()
     assert "quantization" not in dense.config.as_dict() and decode(encode(dense)).config.quantization != "gguf"
 
     path = str(tmp_path / "blocks.kvtrace")
@@ -335,3 +336,40 @@ def test_hostile_headers_are_refused_in_one_line(tmp_path):
     w.close()
     with pytest.raises(KvscopeError, match="general.alignment 3 is not a power of two"):
         read_header(str(tmp_path / "align.gguf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_takes_the_blocks_only_where_they_are_the_same_weights_and_faster(dtype):
+    """--quantization auto: a GGUF on a CPU, in float32, where the blocks have AVX2 or AVX-512 loops; explicit flags
+    are kept whatever the CPU; the reason is the start-up line's."""
+    from kvscope.engine.worker.model_backend import choose_quantization
+
+    assert choose_quantization("gguf", False, "m.gguf", torch.bfloat16) == ("gguf", "as asked")
+    for asked in ("none", None):
+        assert choose_quantization(asked, False, "m.gguf", torch.float32) == (None, "")
+    assert choose_quantization("auto", True, "m.gguf", torch.float32) == (None, "")  # CUDA
+    assert choose_quantization("auto", False, "", torch.float32) == (None, "")  # not a GGUF: nothing to say
+    chosen, why = choose_quantization("auto", False, "m.gguf", dtype)
+    loops = gguf_linear.paths(torch.float32)
+    if dtype == torch.bfloat16:
+        assert chosen is None and why.startswith("auto: dequantized into bfloat16")
+    elif loops and loops[0] != "generic":
+        assert chosen == "gguf" and why == f"auto: float32 on this CPU's {gguf_linear.LOOP_NAMES[loops[0]]} loops, " \
+                                          "the same weights"
+    else:
+        assert chosen is None and "generic C++" in why
+
+
+def test_auto_falls_back_to_the_dense_weights_where_the_blocks_cannot_run(smollm2_path, monkeypatch):
+    """Where kvscope's decoder is off (transformers' forward), auto dequantizes and says why; gguf refuses."""
+    from kvscope.engine import LLM
+    from kvscope.engine.cpu.decoder import FORCE_ENV
+
+    monkeypatch.setenv(FORCE_ENV, "transformers")
+    engine = LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8).engine
+    assert engine.backend.quantization is None and engine.backend.gguf_weights is None
+    assert "quantization" not in engine.hello().config.as_dict()
+    if gguf_linear.paths(torch.float32)[:1] not in ([], ["generic"]):
+        assert "GGUF dequantized (auto: dequantized, since kvscope's decoder is off here" in engine.describe_model()
+    with pytest.raises(KvscopeError, match="runs through kvscope's CPU decoder, which is off here"):
+        LLM(smollm2_path, device="cpu", dtype="float32", num_blocks=8, quantization="gguf")

@@ -38,7 +38,8 @@ class Demo(Command):
                             "(docs/VLLM_SCHEDULER.md; `make vllm` installs it)")
         p.add_argument("--quantization", choices=QUANTIZATIONS,
                        help="gguf: a GGUF model (smollm2-135m) multiplies the file's own quantized blocks, about 2x "
-                            "faster one stream on a CPU (docs/CPU.md; default: dequantize)")
+                            "faster one stream on a CPU; none: dequantize (default: auto, gguf where the engine runs "
+                            "float32 on a CPU with AVX2 or AVX-512; docs/CPU.md)")
         add_palette(p)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ class Demo(Command):
 
         extra: tuple[str, ...] = ()
         if args.quantization:
-            if args.sim or not _is_gguf_model(args.model):
+            if args.quantization == "gguf" and (args.sim or not _is_gguf_model(args.model)):
                 raise KvscopeError("--quantization gguf needs a GGUF model: --model smollm2-135m or a .gguf file")
             extra = ("--quantization", args.quantization)
         if args.scheduler == "vllm":

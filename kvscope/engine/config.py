@@ -19,7 +19,9 @@ POLICIES = ("fcfs", "sjf", "priority")  # or "module:Class" (see docs/POLICIES.m
 SCHEDULERS = ("kvscope", "vllm")  # vllm: vLLM's own V1 Scheduler (vllm/inproc/scheduler.py)
 BACKENDS = ("model", "sim")  # sim: the cost model on a virtual clock (docs/SIM.md)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("gguf",)  # vLLM's --quantization value for GGUF files (engine/loader/gguf_blocks.py)
+# gguf: vLLM's --quantization value for GGUF files (engine/loader/gguf_blocks.py); auto: gguf where that is the
+# faster exact path here (engine/worker/model_backend.py's choose_quantization); none: dequantize into --dtype
+QUANTIZATIONS = ("auto", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8", "fp32")  # sim only
 # The sim catalog's GPUs (kvscope.engine.sim.catalog.GPUS; a test keeps the two equal). Named here
 # so the CLI lists them without importing the catalog, which loads torch for the built-in shapes.
@@ -51,10 +53,11 @@ class EngineConfig:
     dtype: str = setting("auto", "weights and activations (auto: bfloat16 on CUDA and on a CPU with AMX or "
                          "avx512_bf16, else float32)",
                          choices=DTYPES)
-    quantization: str | None = setting(None, "gguf: a GGUF model's linear layers multiply the file's own quantized "
-                                             "blocks on the CPU (Q4_0, Q4_1, Q8_0), reading fewer bytes per token "
-                                             "than the dequantized weights (default: dequantize into --dtype; "
-                                             "docs/CPU.md)", choices=QUANTIZATIONS)
+    quantization: str | None = setting("auto", "gguf: a GGUF model's linear layers multiply the file's own quantized "
+                                               "blocks on the CPU (Q4_0, Q4_1, Q8_0), reading fewer bytes per token "
+                                               "than the dequantized weights; none: dequantize into --dtype; auto: "
+                                               "gguf where the engine runs float32 on a CPU with the blocks' AVX2 or "
+                                               "AVX-512 loops, else none (docs/CPU.md)", choices=QUANTIZATIONS)
     backend: str = setting("model", "model: run the network; sim: a cost model of --gpu on a virtual clock",
                            choices=BACKENDS, group="sim")
     mode: str = setting("chunked", "batching mode", choices=MODES)
@@ -101,9 +104,9 @@ class EngineConfig:
 
         load_policy(self.policy)  # one-line error if unknown, unimportable or not a policy
         _check_choice("backend", self.backend, BACKENDS)
-        if self.quantization is not None:
+        if self.quantization is not None:  # None: as "none", for callers of the Python API
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
-            if self.backend == "sim":
+            if self.quantization == "gguf" and self.backend == "sim":
                 raise KvscopeError("--quantization gguf multiplies a GGUF model's own blocks; the sim backend runs "
                                    "no weights (leave it out)")
         _check_choice("preemption mode", self.preemption, PREEMPTION_MODES)

@@ -131,8 +131,11 @@ class LLMEngine:
         config = self.config.to_dict()
         config.update(device=self.device, dtype=self.dtype, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
                       kv_cache_bytes=self.kv_cache_bytes, attention=self.runner.ops.name)
-        if config.get("quantization") is None:  # dequantized weights: the key is left out
+        quantization = getattr(self.backend, "quantization", None)  # as resolved: "gguf", or None (dequantized)
+        if quantization is None:  # dequantized weights: the key is left out
             config.pop("quantization", None)
+        else:
+            config["quantization"] = quantization
         config["engine"] = "kvscope"
         if config.get("scheduler") == "vllm":
             config.update(self.scheduler.hello_config())  # vLLM's version, and its null block

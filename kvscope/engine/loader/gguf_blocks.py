@@ -125,10 +125,11 @@ class GgufWeights:
         kinds = sorted({gguf_linear.FORMATS[t % gguf_linear.X16].name for t in types})
         repacked = " (repacked 16 rows at a time)" if types & gguf_linear.X16_FORMATS.keys() else ""
         loops = gguf_linear.paths(dtype)  # the loops the file's own layout runs on here (x16 lines have their own)
-        on = f" on the {gguf_linear.LOOP_NAMES[loops[0]]} loops" if loops and not repacked else ""
+        on = f", on the {gguf_linear.LOOP_NAMES[loops[0]]} loops" if loops and not repacked else ""
         head = gguf_linear.FORMATS[self.lm_head.ggml_type % gguf_linear.X16].name
-        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}{on}, "
-                f"lm_head on its {head} ({self.nbytes / 2**20:,.0f} MiB read per token, held beside the dense weights)")
+        return (f"steps of up to {BLOCKS_MAX_ROWS} rows on the GGUF's {'+'.join(kinds)} blocks{repacked}, "
+                f"lm_head on its {head}{on} ({self.nbytes / 2**20:,.0f} MiB read per token, held beside the dense "
+                "weights)")
 
 
 def _read(path: str, header: GgufHeader, name: str, size: int) -> tuple[torch.Tensor, int]:

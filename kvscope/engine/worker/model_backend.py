@@ -51,6 +51,32 @@ def choose_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
     return DTYPES[name], "as asked"
 
 
+def choose_quantization(asked: str | None, on_cuda: bool, gguf_path: str, dtype: torch.dtype) -> tuple[str | None, str]:
+    """--quantization ASKED: "gguf" (the linear layers on the GGUF's own blocks) or None (dequantized), and why.
+
+    auto takes the blocks where they are the same weights as the dense model and read faster: a GGUF on a CPU in
+    float32 (the blocks widen to the very float32 values transformers dequantizes to; only the summation order
+    differs) with the AVX2 or AVX-512 loops. One stream of SmolLM2 on an Ice Lake Xeon capped to AVX2 reads 96 MiB a
+    token instead of 514 and decodes several times as fast (docs/CPU.md). In bf16 (a CPU that multiplies bf16 in
+    hardware) the blocks' x16 kernel multiplies the file's unrounded weights, not the dense bf16 model's, so auto
+    leaves that to --quantization gguf. The generic loops are no faster than float32's GEMMs."""
+    if asked == "gguf":
+        return "gguf", "as asked"
+    if asked != "auto" or on_cuda or not gguf_path:
+        return None, ""
+    if dtype != torch.float32:
+        return None, (f"auto: dequantized into {str(dtype).removeprefix('torch.')}, whose weights the blocks' bf16 "
+                      "kernel would round otherwise; --quantization gguf reads the blocks")
+    from kvscope.kernels.cpu import gguf_linear
+    from kvscope.kernels.cpu import library as cpu_attention
+
+    cpu_attention.load()
+    loops = gguf_linear.paths(torch.float32)
+    if not loops or loops[0] == "generic":
+        return None, "auto: dequantized, since the blocks' loops here are generic C++, no faster than float32's GEMMs"
+    return "gguf", f"auto: float32 on this CPU's {gguf_linear.LOOP_NAMES[loops[0]]} loops, the same weights"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return choose_dtype(name, device)[0]
 
@@ -85,7 +111,19 @@ class ModelBackend:
             packed = pack_linears(self.model.model)
             self.model.weight_bytes += packed.extra_bytes
             self.model.linear_note = packed.note
-        self.gguf_weights = self._gguf_weights() if config.quantization == "gguf" else None
+        self.quantization, why = choose_quantization(config.quantization, self.on_cuda, self.model.gguf_path,
+                                                     self.torch_dtype)
+        self.gguf_weights = None
+        self._dense_note = self.model.linear_note
+        if self.quantization == "gguf":
+            try:
+                self.gguf_weights = self._gguf_weights(why)
+            except KvscopeError as e:
+                if config.quantization == "gguf":
+                    raise
+                self._dequantized(f"auto: dequantized, since {e}")  # a file kvscope cannot multiply in place
+        elif why:
+            self._dequantized(why)
         self.cpu_threads: int | None = None
         self.thread_tuner: ThreadTuner | None = None  # without --cpu-threads on CPU: chosen online
         if not self.on_cuda:
@@ -97,7 +135,12 @@ class ModelBackend:
                 self.thread_tuner = ThreadTuner(thread_candidates(self.cpu_threads), torch.set_num_threads,
                                                 load=other_load, only_beside_competitor=explicit)
 
-    def _gguf_weights(self):
+    def _dequantized(self, why: str) -> None:
+        """auto chose (or fell back to) the dense weights: the start-up line says why."""
+        self.quantization, self.gguf_weights = None, None
+        self.model.linear_note = f"{self._dense_note}{'; ' if self._dense_note else ''}GGUF dequantized ({why})"
+
+    def _gguf_weights(self, why: str):
         """--quantization gguf: the GGUF's own blocks for the decoder's linear layers (gguf_blocks.py)."""
         from kvscope.engine.loader import gguf_blocks
         from kvscope.kernels.cpu import library as cpu_attention
@@ -111,7 +154,12 @@ class ModelBackend:
             raise KvscopeError("--quantization gguf computes in float32 or bfloat16; pick one with --dtype")
         cpu_attention.load()  # its op is in the CPU kernels' library (built once per machine)
         weights = gguf_blocks.load(self.model.gguf_path, self.model.model)
-        self.model.linear_note = weights.describe(self.torch_dtype)
+        note = weights.describe(self.torch_dtype)
+        if why != "as asked":  # what a dense decode token reads: every weight but the input embedding's
+            embed = self.model.model.get_input_embeddings().weight
+            dense = self.model.weight_bytes - embed.numel() * embed.element_size()
+            note += f"; {why}: {weights.nbytes / 2**20:,.0f} MiB a token against {dense / 2**20:,.0f} dense"
+        self.model.linear_note = note
         return weights
 
     def kv_block_bytes(self, block_size: int) -> int:
@@ -149,8 +197,10 @@ class ModelBackend:
                              block_size=c.block_size, scratch_tokens=max_model_len if c.mode == Mode.STATIC else 0,
                              seed=c.seed, gguf_weights=self.gguf_weights)
         if self.gguf_weights is not None and runner.decoder is None:
-            raise KvscopeError(f"--quantization gguf runs through kvscope's CPU decoder, which is off here "
-                               f"({runner.forward_name})")
+            if c.quantization == "gguf":
+                raise KvscopeError(f"--quantization gguf runs through kvscope's CPU decoder, which is off here "
+                                   f"({runner.forward_name})")
+            self._dequantized(f"auto: dequantized, since kvscope's decoder is off here ({runner.forward_name})")
         if self.on_cuda and not c.enforce_eager:
             runner.capture_cuda_graphs(c.effective_max_num_seqs, max_model_len)
         if self.thread_tuner is not None:
