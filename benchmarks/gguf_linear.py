@@ -90,12 +90,21 @@ def main() -> int:
         for _ in range(args.repeats):
             for name, (layers, head, _) in rows.items():
                 times[name].append(run(layers, head))
-    result = {"model": args.model, "dtype": args.dtype, "rows": args.rows, "threads": torch.get_num_threads(),
+        # the machine's copy bandwidth (read + write counted, as kvscope bench --roofline measures it), best of 5
+        src, dst = torch.ones(1 << 27), torch.empty(1 << 27)  # 512 MiB each, far past the last-level cache
+        copies = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+        copy_gb_s = 2 * src.numel() * 4 / min(copies) / 1e9
+        del src, dst
+    result = {"model": args.model, "copy_gb_s": copy_gb_s, "dtype": args.dtype, "rows": args.rows, "threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(), "rows_out": []}
     result["isa_cap"] = cpu_isa.describe()
     cap = f", {cpu_isa.describe()}" if cpu_isa.describe() else ""
     print(f"{args.model}, {args.dtype}, {args.rows} row(s), {torch.get_num_threads()} threads{cap}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}; copy bandwidth {copy_gb_s:.1f} GB/s (read + write)")
     print(f"{'weights':<32} {'MB read':>8} {'ms / pass':>10} {'GB/s':>6}")
     for name, (_, _, nbytes) in rows.items():
         ms = statistics.median(times[name]) * 1e3
