@@ -99,8 +99,9 @@ def main() -> int:
             copies.append(time.perf_counter() - t0)
         copy_gb_s = 2 * src.numel() * 4 / min(copies) / 1e9
         del src, dst
-    result = {"model": args.model, "copy_gb_s": copy_gb_s, "dtype": args.dtype, "rows": args.rows, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(), "rows_out": []}
+    result = {"model": args.model, "copy_gb_s": copy_gb_s, "dtype": args.dtype, "rows": args.rows,
+              "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+              "load_average": os.getloadavg(), "rows_out": []}
     result["isa_cap"] = cpu_isa.describe()
     cap = f", {cpu_isa.describe()}" if cpu_isa.describe() else ""
     print(f"{args.model}, {args.dtype}, {args.rows} row(s), {torch.get_num_threads()} threads{cap}, "
