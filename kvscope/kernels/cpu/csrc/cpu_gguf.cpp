@@ -369,7 +369,9 @@ KVSCOPE_AVX2 void gemv_tile_avx2(const uint8_t* blocks, int64_t row_bytes, int64
       widen_avx2<kType, kBf16>(row + b * bb, w);
       for (int64_t t = 0; t < kRows; ++t) {
         const float* xt = x + t * in + b * kBlock;
-        for (int i = 0; i < 4; ++i) acc[t][i % kAcc] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xt + 8 * i), acc[t][i % kAcc]);
+        for (int i = 0; i < 4; ++i) {
+          acc[t][i % kAcc] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xt + 8 * i), acc[t][i % kAcc]);
+        }
       }
     }
     for (int64_t t = 0; t < kRows; ++t) {
