@@ -57,7 +57,7 @@ def choose_quantization(asked: str | None, on_cuda: bool, gguf_path: str, dtype:
     auto takes the blocks where they are the same weights as the dense model and read faster: a GGUF on a CPU in
     float32 (the blocks widen to the very float32 values transformers dequantizes to; only the summation order
     differs) with the AVX2 or AVX-512 loops. One stream of SmolLM2 on an Ice Lake Xeon capped to AVX2 reads 92 MiB a
-    token instead of 513 and its median token took 21-22 ms against 49-67 (docs/CPU.md). In bf16 (a CPU that
+    token instead of 513 and its median token took 17-22 ms against 42-67 (docs/CPU.md). In bf16 (a CPU that
     multiplies bf16 in hardware) the blocks' x16 kernel multiplies the file's unrounded weights, not the dense bf16
     model's, so auto leaves that to --quantization gguf. The generic loops are no faster than float32's GEMMs."""
     if asked == "gguf":
