@@ -17,6 +17,7 @@ the engine loop does no detokenizing for it, and the text is the same, id by id.
 
 from __future__ import annotations
 
+from kvscope.engine.isolation import describe
 from kvscope.engine.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -62,7 +63,8 @@ class IncrementalDetokenizer:
     def follow(self, token_ids: list[int], start: int) -> None:
         """Read output ids from token_ids[start:] (a request's growing list) only when text is asked
         for. Only for a detokenizer without stop strings: those must be read as each id comes."""
-        assert not self.stop, "stop strings are checked as ids come: feed them with add()"
+        if self.stop:
+            raise ValueError("stop strings are checked as ids come: feed them with add()")
         self._source, self._source_start = token_ids, start
         self.following = True
 
@@ -83,8 +85,6 @@ class IncrementalDetokenizer:
             for token_id in source[start:end]:  # one at a time: each id may complete a character
                 self._add_one(token_id)
         except Exception as e:  # noqa: BLE001 - a tokenizer fault ends this text only
-            from kvscope.engine.isolation import describe
-
             self.error = f"detokenizing failed: {describe(e)}"
             self.finished = True
             return
