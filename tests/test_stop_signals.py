@@ -79,3 +79,40 @@ def test_serve_forever_ends_on_a_ctrl_c_python_swallowed(monkeypatch, tmp_path):
     assert steps["after_ctrl_c"] <= 1  # stopped before the next step, or just after it
     bye = [e for e in TraceReader(trace) if e.type == "bye"]
     assert [b.reason for b in bye] == ["interrupted"]
+
+
+def test_while_the_loop_checks_the_flag_a_first_signal_only_sets_it_and_a_second_raises():
+    with StopSignals() as signals:
+        signals.checked = True
+        signal.raise_signal(signal.SIGTERM)  # nothing raised: no interrupt inside a half-done write
+        assert signals.requested
+        with pytest.raises(KeyboardInterrupt):  # a loop stuck in one step still stops
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_serve_forever_ends_at_its_next_step_on_a_sigterm_and_closes_its_trace(monkeypatch, tmp_path):
+    """SIGTERM in the middle of a step: the step finishes (nothing is cut off), serve stops before the
+    next one, closes its trace with reason `interrupted` and exits 0."""
+    from kvscope.cli.main import main
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.traces.reader import TraceReader
+
+    real_step = LLMEngine.step
+    steps = {"n": 0, "after": 0}
+
+    def step(self):
+        steps["n"] += 1
+        if steps["n"] == 20:
+            signal.raise_signal(signal.SIGTERM)
+        elif steps["n"] > 20:
+            steps["after"] += 1
+            if steps["after"] > 200:
+                raise AssertionError("serve --forever did not stop after SIGTERM")
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    trace = tmp_path / "run.kvtrace"
+    assert main(["serve", "--device", "cpu", "--dtype", "float32", "--forever", "--record", str(trace)]) == 0
+    assert steps["after"] == 0  # the step the signal landed in ran to its end, and no other began
+    assert [e.type for e in TraceReader(trace)][-1] == "bye"
+    assert [e.reason for e in TraceReader(trace) if e.type == "bye"] == ["interrupted"]

@@ -239,6 +239,7 @@ def _serve(args, config, publisher, control, front) -> int:
                               file=sys.stderr, flush=True)
             progress = progress_bar(not args.no_progress, total=_total_requests(options),
                                     desc=f"{engine.config.mode}", unbounded="{desc}: finished requests {n_fmt}")
+            signals.checked = True  # server.run checks server.stop every step
             summary = server.run(items=() if http_only else None)
         except KeyboardInterrupt:
             summary = server.summary()

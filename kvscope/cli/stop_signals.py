@@ -14,7 +14,8 @@ import threading
 
 
 class StopSignals:
-    """While active, SIGINT and SIGTERM set `stop` and raise KeyboardInterrupt.
+    """While active, SIGINT and SIGTERM set `stop` and raise KeyboardInterrupt (while `checked`, the first
+    one only sets `stop`).
 
     A SIGINT that was ignored when the process started (a background job of a non-interactive shell) stays
     ignored, as the shell's convention asks; SIGTERM always stops.
@@ -22,6 +23,10 @@ class StopSignals:
 
     def __init__(self, stop: threading.Event | None = None) -> None:
         self.stop = stop or threading.Event()
+        # set while the command's loop checks `stop` at every turn: a first signal then only sets the
+        # flag, so no KeyboardInterrupt lands inside a half-done write (a trace chunk handed to its
+        # writer thread); a second one still raises, for a loop stuck in one long step
+        self.checked = False
         self._saved: dict = {}
         self._unraisable_hook = None
 
@@ -43,7 +48,10 @@ class StopSignals:
             self._unraisable_hook(unraisable)
 
     def _handle(self, signum, frame) -> None:
+        first = not self.stop.is_set()
         self.stop.set()
+        if self.checked and first:
+            return
         raise KeyboardInterrupt
 
     def ignore(self) -> None:
