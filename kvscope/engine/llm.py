@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from kvscope.engine import outputs
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.errors import RequestRejected
 from kvscope.engine.llm_engine import EventSink, LLMEngine
 from kvscope.engine.request import Request, RequestMetrics
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.protocol.events import FINISH_ERROR
 
 Prompt = str | list[int]
 
@@ -80,11 +80,8 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
     def _completion(self, req: Request) -> CompletionOutput:
-        detok = req.detokenizer  # kvscope.engine.detokenizer
-        text = detok.text if detok is not None else ""
-        reason, error = req.finish_reason, req.error
-        if detok is not None and detok.error is not None and error is None:  # met when the text was read
-            reason, error = FINISH_ERROR, detok.error
+        text = req.detokenizer.text if req.detokenizer is not None else ""  # kvscope.engine.detokenizer
+        reason, error = outputs.ending(req)  # after the read: a fault it met is an error
         return CompletionOutput(req.sample_index, req.req_id, req.output_token_ids, text, reason,
                                 req.metrics(), error=error, logprobs=req.logprobs)
 

@@ -66,3 +66,12 @@ def _feed(detok, req, by_token: bool) -> bool:
         detok.num_ids += 1  # read, never to be fed later
         new = new[:-1]
     return detok.add(new)
+
+
+def ending(req) -> tuple[str | None, str | None]:
+    """(finish reason, error) of an ended request as its readers report it: a tokenizer fault met when its
+    followed text was read, after the request ended, makes it an error."""
+    detok = req.detokenizer
+    if detok is not None and detok.error is not None and req.error is None:
+        return FINISH_ERROR, detok.error
+    return req.finish_reason, req.error

@@ -22,8 +22,9 @@ from typing import Callable
 
 from kvscope.errors import KvscopeError
 from kvscope.engine.errors import RequestRejected
+from kvscope.engine.outputs import ending
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.protocol.events import FINISH_ABORT, FINISH_ERROR, SOURCE_HTTP
+from kvscope.protocol.events import FINISH_ABORT, SOURCE_HTTP
 
 REJECTED, ACCEPTED, DELTA, DONE = "rejected", "accepted", "delta", "done"
 # why a job was refused before it reached the scheduler (the HTTP layer picks the status code)
@@ -178,14 +179,11 @@ class EngineBridge:
             logprobs = []
             if req.logprobs is not None:
                 logprobs, cur.sent_logprobs = req.logprobs[cur.sent_logprobs:], len(req.logprobs)
-            detok = req.detokenizer
-            text = detok.take() if detok is not None else ""
+            text = req.detokenizer.take() if req.detokenizer is not None else ""
             update = Update(DONE if done else DELTA, text, prompt_tokens=req.num_prompt_tokens,
                             completion_tokens=n_out, logprobs=logprobs, token_ids=new_ids, index=cur.index)
             if done:
-                reason, error = req.finish_reason, req.error
-                if detok is not None and detok.error is not None and error is None:  # met by this read
-                    reason, error = FINISH_ERROR, detok.error
+                reason, error = ending(req)  # after the read: a fault it met is an error
                 self._end(job, rid, update, reason, error or "")
             else:
                 update.remaining = len(job.seqs)
