@@ -1,9 +1,10 @@
 """Where a real-size step's time goes on a CPU, op by op, against the roofline of the same steps.
 
-    python benchmarks/profile_realsize.py [--model qwen3-0.6b-shape] [--num-requests 8] [--dtype auto]
+    python benchmarks/profile_realsize.py [--model qwen3-0.6b-shape] [--workload realsize] [--num-requests 8]
+                                     [--max-num-seqs N] [--dtype auto] [--quantization auto]
                                      [--cpu-threads N] [--json FILE]
 
-Serves the `realsize` workload (all at t=0, chunked) through one engine under torch.profiler and
+Serves a workload (`realsize` by default; all at t=0, chunked) through one engine under torch.profiler and
 prints: the wall time, the time inside torch ops grouped by kind (GEMMs, attention, KV gather and
 write, sampling, the rest), the host time outside any op (Python: scheduling, input building,
 the model's per-layer code), and the roofline time of the same steps at this machine's measured
@@ -51,7 +52,10 @@ def group_of(name: str) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b-shape")
+    p.add_argument("--workload", default="realsize", help="a workload preset (kvscope bench's --workload)")
     p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (the engine's default if left out)")
+    p.add_argument("--quantization", default="auto", help="auto, gguf or none (kvscope bench's --quantization)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cpu-threads", type=int)
     p.add_argument("--json", metavar="FILE")
@@ -68,10 +72,11 @@ def main() -> int:
     from kvscope.engine.sampling_params import SamplingParams
     from kvscope.engine.sim.catalog import CATALOG_DTYPES, shape_of_hf_config
 
+    seqs = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
     config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype, mode="chunked",
-                          cpu_threads=args.cpu_threads, num_blocks=2048)
+                          cpu_threads=args.cpu_threads, num_blocks=2048, quantization=args.quantization, **seqs)
     vocab, eos, _ = model_info(config)
-    items = bench_workload(config, "realsize", args.num_requests, vocab, eos, None)
+    items = bench_workload(config, args.workload, args.num_requests, vocab, eos, None)
     engine = LLMEngine(replace(config))
     warm_up(engine)
     steps = roofline.StepShapes(engine.runner)
@@ -102,13 +107,14 @@ def main() -> int:
             top_level_s += evt.cpu_time_total / 1e6
     tokens = sum(it.max_tokens for it in items)
     result = {
-        "model": args.model, "dtype": engine.dtype, "threads": torch.get_num_threads(), "requests": len(items),
+        "model": args.model, "workload": args.workload, "quantization": engine.backend.quantization or "none",
+        "dtype": engine.dtype, "threads": torch.get_num_threads(), "requests": len(items),
         "steps": len(steps.shapes), "output_tokens": tokens, "wall_s": wall, "profiled_ops_s": top_level_s,
         "host_outside_ops_s": max(0.0, wall - top_level_s), "groups_s": dict(by_group),
         "roofline_s": ideal["roofline_s"], "roofline_pct": ideal["roofline_pct"], "peaks": peaks.to_dict(),
         "load_avg": os.getloadavg(),
     }
-    print(f"{args.model} {engine.dtype} threads={result['threads']} requests={len(items)} steps={len(steps.shapes)} "
+    print(f"{args.model} {args.workload} {engine.dtype} quantization={result['quantization']} threads={result['threads']} requests={len(items)} steps={len(steps.shapes)} "
           f"load={result['load_avg'][0]:.1f}")
     print(peaks.line())
     print(f"wall {wall:.2f} s ({tokens / wall:.1f} out tok/s), roofline {ideal['roofline_s']:.2f} s "

@@ -77,6 +77,29 @@ def test_hostile_header_counts_are_bounded(tmp_path):
         kv_gguf.read_header(str(path))
 
 
+def test_a_file_is_checked_once_while_it_is_unchanged(tmp_path, monkeypatch):
+    """A start checks the same GGUF for its model and for its blocks: the second check is the first's answer,
+    until the file on disk is another (rewritten, or another path)."""
+    checked = []
+    monkeypatch.setattr(kv_gguf, "_check_servable", lambda path: checked.append(path) or object())
+    monkeypatch.setattr(kv_gguf, "_servable", None)
+    first = write_gguf(tmp_path / "a.gguf", "llama")
+    header = kv_gguf.check_servable(first)
+    assert kv_gguf.check_servable(first) is header and checked == [first]
+    other = write_gguf(tmp_path / "b.gguf", "qwen3")
+    assert kv_gguf.check_servable(other) is not header and checked == [first, other]
+    with open(first, "ab") as f:  # the same path, other bytes
+        f.write(b"\0" * 32)
+    assert kv_gguf.check_servable(first) is not header and checked == [first, other, first]
+
+
+def test_a_refused_file_is_refused_every_time(tmp_path):
+    path = write_gguf(tmp_path / "g.gguf", "gemma2")
+    for _ in range(2):
+        with pytest.raises(KvscopeError, match="architecture 'gemma2'"):
+            kv_gguf.check_servable(path)
+
+
 def test_missing_gguf_file_is_one_line(tmp_path):
     with pytest.raises(KvscopeError, match="does not exist"):
         load_model(str(tmp_path / "absent.gguf"), None, "cpu")

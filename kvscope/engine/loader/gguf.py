@@ -269,8 +269,31 @@ def _type_name(type_id: int) -> str:
         return f"type {type_id}"
 
 
+_servable: tuple[tuple, GgufHeader] | None = None  # the last file found servable, by its identity on disk
+
+
+def _file_key(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # read_header says why, in one line
+    return os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def check_servable(path: str) -> GgufHeader:
-    """Refuse, in one line naming it, a GGUF that kvscope cannot serve; before any weight is read."""
+    """Refuse, in one line naming it, a GGUF that kvscope cannot serve; before any weight is read.
+    A start reads the same file's header for the model and again for its blocks: the second is the first's,
+    while the file is the same one, unchanged (its inode, size and modification time)."""
+    global _servable
+    key = _file_key(path)
+    if key is not None and _servable is not None and _servable[0] == key:
+        return _servable[1]
+    header = _check_servable(path)
+    _servable = (key, header) if key is not None else None
+    return header
+
+
+def _check_servable(path: str) -> GgufHeader:
     header = read_header(path)
     if header.architecture not in GGUF_ARCHITECTURES:
         raise KvscopeError(f"GGUF {path!r} holds architecture {header.architecture or 'unnamed'!r}; kvscope serves "
