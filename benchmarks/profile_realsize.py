@@ -50,12 +50,15 @@ def group_of(name: str) -> str:
 
 
 def main() -> int:
+    from kvscope.engine.config import QUANTIZATIONS
+    from kvscope.workload.presets import PRESET_NAMES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b-shape")
-    p.add_argument("--workload", default="realsize", help="a workload preset (kvscope bench's --workload)")
+    p.add_argument("--workload", default="realsize", choices=PRESET_NAMES, help="a workload preset (as kvscope bench's)")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, help="requests decoding at once (the engine's default if left out)")
-    p.add_argument("--quantization", default="auto", help="auto, gguf or none (kvscope bench's --quantization)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help="as kvscope bench's --quantization")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cpu-threads", type=int)
     p.add_argument("--json", metavar="FILE")
@@ -114,7 +117,8 @@ def main() -> int:
         "roofline_s": ideal["roofline_s"], "roofline_pct": ideal["roofline_pct"], "peaks": peaks.to_dict(),
         "load_avg": os.getloadavg(),
     }
-    print(f"{args.model} {args.workload} {engine.dtype} quantization={result['quantization']} threads={result['threads']} requests={len(items)} steps={len(steps.shapes)} "
+    print(f"{args.model} {args.workload} {engine.dtype} quantization={result['quantization']} "
+          f"threads={result['threads']} requests={len(items)} steps={len(steps.shapes)} "
           f"load={result['load_avg'][0]:.1f}")
     print(peaks.line())
     print(f"wall {wall:.2f} s ({tokens / wall:.1f} out tok/s), roofline {ideal['roofline_s']:.2f} s "
