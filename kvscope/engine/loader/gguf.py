@@ -272,11 +272,10 @@ def _type_name(type_id: int) -> str:
 _servable: tuple[tuple, GgufHeader] | None = None  # the last file found servable, by its identity on disk
 
 
-def _file_key(path: str) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None  # read_header says why, in one line
+def file_key(path: str) -> tuple:
+    """A file's identity on disk (where it is, its inode, size and modification time): the key under which
+    this module's and gguf_blocks.py's per-process memos keep what they read from it. Raises OSError."""
+    st = os.stat(path)
     return os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -285,7 +284,10 @@ def check_servable(path: str) -> GgufHeader:
     A start reads the same file's header for the model and again for its blocks: the second is the first's,
     while the file is the same one, unchanged (its inode, size and modification time)."""
     global _servable
-    key = _file_key(path)
+    try:
+        key = file_key(path)
+    except OSError:
+        key = None  # read_header says why, in one line
     if key is not None and _servable is not None and _servable[0] == key:
         return _servable[1]
     header = _check_servable(path)
@@ -325,8 +327,7 @@ def load_gguf(path: str, dtype: torch.dtype, device: str):
     """(model, transformers tokenizer or None, header) from a GGUF file; nothing is fetched from a hub."""
     global _last
     header = check_servable(path)
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, dtype, str(device))
+    key = (*file_key(path), dtype, str(device))
     if _last is not None and _last[0] == key:
         return (*_last[1], header)
     _last = None  # let the previous model go before the next one is built

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.errors import KvscopeError
-from kvscope.engine.loader.gguf import GgufHeader, check_servable
+from kvscope.engine.loader.gguf import GgufHeader, check_servable, file_key
 from kvscope.kernels.cpu import gguf_linear
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -223,8 +223,7 @@ _last: tuple[tuple, GgufWeights] | None = None  # engines made one after another
 def load(path: str, model: torch.nn.Module) -> GgufWeights:
     """The blocks of the GGUF the model was loaded from, checked against the model's dense weights."""
     global _last
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, id(model))
+    key = (*file_key(path), id(model))
     if _last is not None and _last[0] == key:
         return _last[1]
     _last = None
